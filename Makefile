@@ -1,0 +1,28 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+# The pinned torch is a CPU wheel on the dev/CI machines; on a GPU machine with its own torch,
+# use `make TORCH=` (keeps the installed one) or e.g. `make TORCH='torch>=2.11'`.
+PY ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+NPROC ?= 2
+BIN := $(VENV)/bin
+
+.PHONY: demo test install clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(if $(TORCH),$(BIN)/pip install -q '$(TORCH)')
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+install: $(BIN)/.installed
+
+demo: $(BIN)/.installed
+	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) recipes/finetune.py --config configs/demo.yaml
+
+test: $(BIN)/.installed
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) outputs

@@ -1,0 +1,303 @@
+"""Typed configuration: YAML file + dotted `key.sub=value` overrides -> dataclasses.
+
+Every section is a dataclass; unknown keys, wrong types and bad choices raise ConfigError naming
+the key (with the closest valid one), before any process group or model exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user error in the configuration; the message names the key."""
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = None
+    """Local Hugging Face model directory (or hub id when online): config, weights, tokenizer."""
+    config: dict | None = None
+    """Inline Llama config (transformers LlamaConfig kwargs) for a randomly initialised model."""
+    trust_remote_code: bool = False
+    """Allow model code from the model directory (only for models you trust)."""
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flex_attention"] = "sdpa"
+    """Attention kernel passed to transformers."""
+
+
+@dataclass
+class TokenizerConfig:
+    path: str | None = None
+    """Tokenizer directory; defaults to model.path."""
+
+
+@dataclass
+class DataConfig:
+    path: str = ""
+    """Training data: a file, a glob or a directory (jsonl/json/parquet/csv/txt)."""
+    format: Literal["text"] = "text"
+    """How records become tokens and labels."""
+    text_field: str = "text"
+    """Field holding the document for format=text."""
+    seq_len: int = 256
+    """Tokens per training row."""
+    packing: bool = True
+    """Pack several documents per row (each attends only to itself); else one per row, padded."""
+
+
+@dataclass
+class ParallelConfig:
+    strategy: Literal["auto", "ddp", "fsdp", "fsdp2", "none"] = "auto"
+    """auto: DDP when the training state fits comfortably on one device, else FSDP2."""
+    sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"] = "FULL_SHARD"
+    """FSDP1 sharding strategy (strategy=fsdp)."""
+    reshard_after_forward: bool = True
+    """FSDP2: free gathered parameters after forward (saves memory, costs a second all-gather)."""
+    replicate: int = 1
+    """HSDP: number of replica groups (FSDP2 2-D mesh; FSDP1 HYBRID_SHARD)."""
+    mixed_precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute dtype; parameters, optimizer state and gradient reduction stay fp32."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward."""
+    cpu_offload: bool = False
+    """FSDP: keep sharded parameters and gradients on CPU."""
+    compile: bool = False
+    """torch.compile each decoder layer."""
+
+
+@dataclass
+class DistributedConfig:
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: cuda when available, else cpu."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """auto: nccl on cuda, gloo on cpu."""
+    timeout_s: int = 600
+    """Process-group timeout: a stuck collective fails after this long instead of hanging."""
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 100
+    """Optimizer steps to run."""
+    micro_batch_size: int = 4
+    """Rows per forward pass, per rank."""
+    grad_accum_steps: int = 1
+    """Micro-batches per optimizer step."""
+    lr: float = 3e-4
+    """Peak learning rate (before train.scale_lr)."""
+    scale_lr: bool = False
+    """Linear scaling rule: multiply lr by the data-parallel size."""
+    warmup_steps: int = 0
+    """Linear warm-up steps."""
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """Decay after warm-up."""
+    min_lr_ratio: float = 0.0
+    """Final lr as a fraction of the peak (cosine/linear)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay (not applied to norms and biases)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW betas."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    seed: int = 42
+    """Model init and data order; dropout uses seed + rank."""
+
+
+@dataclass
+class LogConfig:
+    every_steps: int = 10
+    """Log metrics every N steps (and at the last step)."""
+    progress: bool = True
+    """tqdm progress bar on rank 0 when attached to a terminal."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    output_dir: str = "outputs/run"
+    """Where metrics, checkpoints and the HF export go."""
+
+
+def _suggest(key: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(valid)}"
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against the annotation `tp`, converting only where YAML is ambiguous."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0])
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{key}: {value!r} is not a valid choice; choose one of {', '.join(map(str, choices))}")
+        return value
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        (item,) = typing.get_args(tp)
+        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif tp is dict:
+        if isinstance(value, dict):
+            return value
+    else:
+        raise TypeError(f"unsupported config annotation {tp} for {key}")
+    raise ConfigError(f"{key}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+
+
+def _build(cls: type, raw: dict, prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        dotted = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(f"unknown config key '{dotted}'{_suggest(dotted, [prefix + n for n in names])}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{dotted}: expected a section (mapping), got {value!r}")
+            kwargs[key] = _build(tp, value, f"{dotted}.")
+        else:
+            kwargs[key] = _coerce(value, tp, dotted)
+    return cls(**kwargs)
+
+
+def _set_dotted(raw: dict, dotted: str, value: Any) -> None:
+    node = raw
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override '{dotted}': '{part}' is a value, not a section")
+        node = child
+    node[leaf] = value
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+    pairs = []
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like key.sub=value")
+        pairs.append((key.strip(), yaml.safe_load(text) if text else ""))
+    return pairs
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """Read YAML (optional), apply `key.sub=value` overrides, validate into a Config."""
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"--config: no such file: {path}")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: invalid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    for key, value in parse_overrides(list(overrides)):
+        _set_dotted(raw, key, value)
+    cfg = _build(Config, raw, "")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks that need no I/O."""
+    if (cfg.model.path is None) == (cfg.model.config is None):
+        raise ConfigError("set exactly one of model.path (a HF model directory) or model.config (inline Llama config)")
+    if cfg.model.config is not None and cfg.tokenizer.path is None:
+        raise ConfigError("model.config builds a new model, so tokenizer.path must name a tokenizer directory")
+    if not cfg.data.path:
+        raise ConfigError("data.path is required (a file, glob or directory)")
+    for key in ("train.max_steps", "train.micro_batch_size", "train.grad_accum_steps", "data.seq_len",
+                "log.every_steps", "parallel.replicate", "distributed.timeout_s"):
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) < 1:
+            raise ConfigError(f"{key} must be >= 1")
+    if cfg.train.lr <= 0:
+        raise ConfigError("train.lr must be > 0")
+    if len(cfg.train.betas) != 2:
+        raise ConfigError("train.betas must have two values")
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def describe() -> list[tuple[str, str, str, str]]:
+    """(key, type, default, description) for every key, from the dataclasses and their docstrings."""
+    import ast
+    import inspect
+
+    rows = []
+
+    def docs(cls: type) -> dict[str, str]:
+        tree = ast.parse(inspect.getsource(cls))
+        body = tree.body[0].body
+        out = {}
+        for stmt, nxt in zip(body, body[1:] + [None]):
+            if isinstance(stmt, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                out[stmt.target.id] = " ".join(str(nxt.value.value).split())
+        return out
+
+    def walk(cls: type, prefix: str) -> None:
+        hints, text = typing.get_type_hints(cls), docs(cls)
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            if dataclasses.is_dataclass(tp):
+                walk(tp, f"{prefix}{f.name}.")
+                continue
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            tname = str(tp).replace("typing.", "") if typing.get_origin(tp) else tp.__name__
+            rows.append((prefix + f.name, tname, repr(default), text.get(f.name, "")))
+
+    walk(Config, "")
+    return rows

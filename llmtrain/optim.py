@@ -1,0 +1,44 @@
+"""AdamW with decay/no-decay groups, and the learning rate as a pure function of the step."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from llmtrain.config import TrainConfig
+
+
+def peak_lr(section: TrainConfig, dp_size: int) -> float:
+    """Linear scaling rule, when asked for: the global batch grows with the data-parallel size."""
+    return section.lr * (dp_size if section.scale_lr else 1)
+
+
+def build_optimizer(model: nn.Module, section: TrainConfig, lr: float, device: torch.device) -> torch.optim.AdamW:
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)  # norms and biases are not decayed
+    groups = [{"params": decay, "weight_decay": section.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(section.betas), fused=device.type == "cuda")
+
+
+def lr_at(step: int, section: TrainConfig, peak: float) -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warm-up, then the chosen decay
+    down to min_lr_ratio x peak at max_steps."""
+    if step < section.warmup_steps:
+        return peak * (step + 1) / section.warmup_steps
+    if section.lr_schedule == "constant":
+        return peak
+    progress = min(1.0, (step - section.warmup_steps) / max(1, section.max_steps - section.warmup_steps))
+    floor = peak * section.min_lr_ratio
+    if section.lr_schedule == "linear":
+        return floor + (peak - floor) * (1 - progress)
+    return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

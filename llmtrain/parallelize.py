@@ -1,0 +1,220 @@
+"""parallelize(): one entry that applies, in a fixed order, one small function per technique:
+activation checkpointing -> compile -> fsdp2 | fsdp | ddp | none. Also the few places where
+strategies differ after wrapping: gradient-sync suppression, clipping, autocast and loss scaling."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from llmtrain.config import ConfigError, ParallelConfig
+from llmtrain.model import decoder_layer_classes, decoder_layers
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# fp32 params + grads + two AdamW moments; activations and temporaries need the rest.
+TRAIN_BYTES_PER_PARAM = 16
+AUTO_DDP_FRACTION = 0.35
+
+
+@dataclass(frozen=True)
+class Plan:
+    strategy: str
+    reason: str
+    dtype: torch.dtype
+
+    @property
+    def autocast(self) -> bool:
+        # FSDP casts parameters through its mixed-precision policy; DDP and none use autocast.
+        return self.dtype != torch.float32 and self.strategy in ("ddp", "none")
+
+
+def check(section: ParallelConfig, world_size: int) -> None:
+    """Combinations that cannot work, named before any process group or model exists."""
+    s = section.strategy
+    if s == "none" and world_size > 1:
+        raise ConfigError(f"parallel.strategy=none trains a single process but {world_size} were launched; "
+                          "use ddp, fsdp, fsdp2 or auto")
+    if world_size % section.replicate:
+        raise ConfigError(f"parallel.replicate={section.replicate} must divide the world size {world_size}")
+    if section.replicate > 1 and s not in ("fsdp", "fsdp2", "auto"):
+        raise ConfigError("parallel.replicate > 1 (HSDP) needs parallel.strategy fsdp or fsdp2")
+    if s == "fsdp" and (section.sharding_strategy == "HYBRID_SHARD") != (section.replicate > 1):
+        raise ConfigError("parallel.sharding_strategy=HYBRID_SHARD goes with parallel.replicate > 1 "
+                          "(the number of replica groups), and replicate > 1 with HYBRID_SHARD")
+    if section.cpu_offload and s in ("ddp", "none"):
+        raise ConfigError("parallel.cpu_offload needs parallel.strategy fsdp or fsdp2")
+
+
+def _device_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // ranks_here
+
+
+def resolve(section: ParallelConfig, n_params: int, world_size: int, device: torch.device) -> Plan:
+    dtype = DTYPES[section.mixed_precision]
+    if section.strategy != "auto":
+        return Plan(section.strategy, "set by parallel.strategy", dtype)
+    need, have = n_params * TRAIN_BYTES_PER_PARAM, _device_memory(device)
+    fits = need <= AUTO_DDP_FRACTION * have and section.replicate == 1 and not section.cpu_offload
+    gib = f"{need / 2**30:.2f} GiB of training state vs {have / 2**30:.1f} GiB on {device.type}"
+    if fits:
+        choice = "ddp" if world_size > 1 else "none"
+        return Plan(choice, f"auto: {gib} fits in {AUTO_DDP_FRACTION:.0%}, so {choice}", dtype)
+    return Plan("fsdp2", f"auto: {gib} does not fit in {AUTO_DDP_FRACTION:.0%}, so fsdp2", dtype)
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    # transformers checkpoints each decoder layer itself; module names (and checkpoints) stay unchanged.
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def apply_compile(model: nn.Module) -> None:
+    for layer in decoder_layers(model):
+        layer.compile()
+
+
+def apply_fsdp2(model: nn.Module, section: ParallelConfig, plan: Plan, mesh: DeviceMesh,
+                device: torch.device) -> nn.Module:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    kwargs = dict(
+        mesh=mesh,
+        mp_policy=MixedPrecisionPolicy(param_dtype=plan.dtype, reduce_dtype=torch.float32),
+        offload_policy=CPUOffloadPolicy() if section.cpu_offload else OffloadPolicy(),
+    )
+    layers = decoder_layers(model)
+    for i, layer in enumerate(layers):
+        # The last layer's parameters are needed again at once by backward: keep them gathered.
+        fully_shard(layer, reshard_after_forward=section.reshard_after_forward and i < len(layers) - 1, **kwargs)
+    fully_shard(model, reshard_after_forward=section.reshard_after_forward, **kwargs)
+    materialize(model, torch.device("cpu") if section.cpu_offload else device)
+    return model
+
+
+def apply_fsdp1(model: nn.Module, section: ParallelConfig, plan: Plan, mesh: DeviceMesh,
+                device: torch.device) -> nn.Module:
+    from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=decoder_layer_classes(model))
+    mp = None
+    if plan.dtype != torch.float32:
+        mp = MixedPrecision(param_dtype=plan.dtype, reduce_dtype=torch.float32, buffer_dtype=torch.float32)
+    return FSDP(
+        model,
+        auto_wrap_policy=policy,
+        sharding_strategy=ShardingStrategy[section.sharding_strategy],
+        mixed_precision=mp,
+        cpu_offload=CPUOffload(offload_params=section.cpu_offload),
+        device_id=device,  # needed on CPU too (measured: torch 2.13 otherwise fails to place shards)
+        device_mesh=mesh,
+        use_orig_params=True,
+        # Materialize meta parameters empty (weights are loaded after wrapping), re-tying embeddings.
+        param_init_fn=lambda m: _materialize_one(m, model, device),
+        sync_module_states=False,
+    )
+
+
+def _materialize_one(module: nn.Module, root: nn.Module, device: torch.device) -> None:
+    """FSDP1 materializes unit by unit; once both embeddings are real, tie them again."""
+    module.to_empty(device=device, recurse=False)
+    inp, out = root.get_input_embeddings(), root.get_output_embeddings()
+    if root.config.tie_word_embeddings and out is not None and not (inp.weight.is_meta or out.weight.is_meta):
+        root.tie_weights()
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """to_empty replaces meta parameters one by one, which unties tied embeddings: tie them again."""
+    model.to_empty(device=device)
+    model.tie_weights()
+
+
+def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    materialize(model, device)
+    # DDP broadcasts rank 0's (still uninitialised) parameters; load_weights then fills every rank alike.
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def parallelize(model: nn.Module, section: ParallelConfig, plan: Plan, mesh: DeviceMesh,
+                device: torch.device) -> nn.Module:
+    """Meta-device model in, materialized (empty) wrapped model out; weights are loaded afterwards."""
+    if section.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if section.compile:
+        apply_compile(model)
+    if plan.strategy == "fsdp2":
+        model = apply_fsdp2(model, section, plan, mesh, device)
+    elif plan.strategy == "fsdp":
+        model = apply_fsdp1(model, section, plan, mesh, device)
+    elif plan.strategy == "ddp":
+        model = apply_ddp(model, device)
+    else:
+        materialize(model, device)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model inside a DDP/FSDP1 wrapper (FSDP2 wraps in place)."""
+    inner = getattr(model, "module", model)
+    return getattr(inner, "_fsdp_wrapped_module", inner)
+
+
+def grad_sync(model: nn.Module, plan: Plan, enabled: bool):
+    """Skip the gradient all-reduce/reduce-scatter on non-final micro-batches."""
+    if enabled:
+        return contextlib.nullcontext()
+    if plan.strategy == "fsdp2":
+        model.set_requires_gradient_sync(False)
+        return _restore_sync(model)
+    if plan.strategy in ("ddp", "fsdp"):
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _restore_sync(model: nn.Module):
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def clip_grad_norm(model: nn.Module, plan: Plan, max_norm: float) -> torch.Tensor:
+    """Global gradient norm (clipped to max_norm when > 0), the same on every rank."""
+    limit = max_norm if max_norm > 0 else float("inf")
+    if plan.strategy == "fsdp":
+        return model.clip_grad_norm_(limit)
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if hasattr(norm, "full_tensor"):  # FSDP2: DTensor of partial norms
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, limit, norm)
+    return norm
+
+
+def autocast(plan: Plan, device: torch.device):
+    if not plan.autocast:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=plan.dtype)
+
+
+def grad_scaler(plan: Plan, device: torch.device):
+    """fp16 needs loss scaling; bf16 and fp32 do not."""
+    if plan.dtype != torch.float16:
+        return None
+    if plan.strategy in ("fsdp", "fsdp2"):
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device=device.type)
+    return torch.amp.GradScaler(device.type)

@@ -1,0 +1,28 @@
+"""Run the recipe's train(), then save the trained (still wrapped) model's logits on a probe batch,
+so a test can compare them with what transformers computes from the exported directory.
+Usage: torchrun ... tests/scripts/export_logits.py --config X [overrides]"""
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "recipes")]
+
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+import finetune  # noqa: E402
+from llmtrain import distributed  # noqa: E402
+
+args = finetune.parse_args(sys.argv[1:])
+cfg = finetune.setup(args)
+env = distributed.init(cfg.distributed)
+model = finetune.train(cfg, env)
+probe = (torch.arange(2 * 24).reshape(2, 24) * 7919) % 500 + 6  # ordinary (non-special) token ids
+model.eval()
+with torch.no_grad():
+    logits = model(input_ids=probe.to(env.device)).logits.float().cpu()
+if env.is_main:
+    save_file({"input_ids": probe, "logits": logits.contiguous()}, str(Path(cfg.output_dir) / "probe.safetensors"))
+distributed.shutdown()
+distributed.hard_exit(0)

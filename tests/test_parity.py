@@ -1,0 +1,37 @@
+"""Same seed and global batch => the same loss curve, whatever the strategy, world size and
+micro-batch / accumulation split (fp32, CPU, real gloo processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import losses, run_recipe
+
+# (ranks, micro_batch_size, grad_accum_steps): global batch 4 rows in each.
+SPLITS = [(1, 4, 1), (1, 2, 2), (2, 2, 1), (2, 1, 2)]
+TOL = 2e-5
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[float]:
+    out = tmp_path_factory.mktemp("none_1x4x1")
+    run_recipe(out, "parallel.strategy=none")
+    ref = losses(out)
+    assert len(ref) == 4 and ref[-1] < ref[0], ref
+    return ref
+
+
+def test_none_accumulation_matches_micro_batch(tmp_path, reference):
+    run_recipe(tmp_path, "parallel.strategy=none", "train.micro_batch_size=2", "train.grad_accum_steps=2")
+    assert losses(tmp_path) == pytest.approx(reference, abs=TOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp2"])
+def test_strategy_and_split_give_same_losses(tmp_path, reference, strategy):
+    for ranks, micro, accum in SPLITS:
+        out = tmp_path / f"{ranks}x{micro}x{accum}"
+        run_recipe(out, f"parallel.strategy={strategy}", f"train.micro_batch_size={micro}",
+                   f"train.grad_accum_steps={accum}", nproc=ranks)
+        got = losses(out)
+        assert got == pytest.approx(reference, abs=TOL), f"{strategy} {ranks} ranks micro {micro} accum {accum}"
