@@ -39,6 +39,10 @@ def world_size_from_env() -> int:
     return _env_int("WORLD_SIZE", 1)
 
 
+def local_rank_from_env() -> int:
+    return _env_int("LOCAL_RANK", 0)
+
+
 def pick_device(section: DistributedConfig, local_rank: int) -> tuple[torch.device, str]:
     kind = section.device
     if kind == "auto":
@@ -61,7 +65,7 @@ def pick_device(section: DistributedConfig, local_rank: int) -> tuple[torch.devi
 def init(section: DistributedConfig) -> DistEnv:
     """Join the process group announced by the launcher, or form a 1-process group without one, so a
     plain `python recipes/finetune.py` runs the very same code path."""
-    rank, world, local_rank = _env_int("RANK", 0), world_size_from_env(), _env_int("LOCAL_RANK", 0)
+    rank, world, local_rank = _env_int("RANK", 0), world_size_from_env(), local_rank_from_env()
     device, backend = pick_device(section, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -34,7 +34,7 @@ class Plan:
         return self.dtype != torch.float32 and self.strategy in ("ddp", "none")
 
 
-def check(section: ParallelConfig, world_size: int) -> None:
+def check(section: ParallelConfig, world_size: int, device_type: str) -> None:
     """Combinations that cannot work, named before any process group or model exists."""
     s = section.strategy
     if s == "none" and world_size > 1:
@@ -47,8 +47,15 @@ def check(section: ParallelConfig, world_size: int) -> None:
     if s == "fsdp" and (section.sharding_strategy == "HYBRID_SHARD") != (section.replicate > 1):
         raise ConfigError("parallel.sharding_strategy=HYBRID_SHARD goes with parallel.replicate > 1 "
                           "(the number of replica groups), and replicate > 1 with HYBRID_SHARD")
+    if s == "fsdp" and section.sharding_strategy == "HYBRID_SHARD" and world_size == section.replicate:
+        # FSDP1 turns a 1-rank shard group into NO_SHARD and then never syncs across replicas.
+        raise ConfigError("parallel.sharding_strategy=HYBRID_SHARD with 1 rank per replica group does not sync "
+                          "gradients under FSDP1; use parallel.strategy=fsdp2 (HSDP) or ddp")
     if section.cpu_offload and s in ("ddp", "none"):
         raise ConfigError("parallel.cpu_offload needs parallel.strategy fsdp or fsdp2")
+    if section.cpu_offload and device_type != "cuda":
+        raise ConfigError("parallel.cpu_offload moves parameters from the GPU to the CPU; on a CPU run they are "
+                          "there already: set parallel.cpu_offload=false")
 
 
 def _device_memory(device: torch.device) -> int:

@@ -42,7 +42,8 @@ def setup(args: argparse.Namespace) -> Config:
     cfg = load_config(args.config, args.overrides)
     model_lib.check_paths(cfg.model, cfg.tokenizer.path)
     data.resolve_files(cfg.data.path)
-    parallelize.check(cfg.parallel, distributed.world_size_from_env())
+    device, _ = distributed.pick_device(cfg.distributed, distributed.local_rank_from_env())
+    parallelize.check(cfg.parallel, distributed.world_size_from_env(), device.type)
     return cfg
 
 

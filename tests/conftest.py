@@ -54,3 +54,13 @@ def read_metrics(output_dir: Path) -> list[dict]:
 
 def losses(output_dir: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(output_dir)]
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory) -> list[float]:
+    """Loss curve of the plainest run (one process, no wrapper, micro 4, accum 1): what all others match."""
+    out = tmp_path_factory.mktemp("reference")
+    run_recipe(out, "parallel.strategy=none")
+    ref = losses(out)
+    assert len(ref) == 4 and ref[-1] < ref[0], ref
+    return ref

@@ -12,15 +12,6 @@ SPLITS = [(1, 4, 1), (1, 2, 2), (2, 2, 1), (2, 1, 2)]
 TOL = 2e-5
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> list[float]:
-    out = tmp_path_factory.mktemp("none_1x4x1")
-    run_recipe(out, "parallel.strategy=none")
-    ref = losses(out)
-    assert len(ref) == 4 and ref[-1] < ref[0], ref
-    return ref
-
-
 def test_none_accumulation_matches_micro_batch(tmp_path, reference):
     run_recipe(tmp_path, "parallel.strategy=none", "train.micro_batch_size=2", "train.grad_accum_steps=2")
     assert losses(tmp_path) == pytest.approx(reference, abs=TOL)
