@@ -1,19 +1,41 @@
-"""Saved state. Consolidated Hugging Face export: rank 0 receives the full state dict on CPU tensor by
-tensor and writes safetensors + config + tokenizer into a temporary directory, published by rename."""
+"""Everything saved. CheckpointManager owns the sharded training checkpoints (DCP: model, optimizer;
+JSON: step, data cursor, per-rank RNG; the resolved config), published atomically by rename. The
+consolidated Hugging Face export: rank 0 receives the full state dict on CPU tensor by tensor and
+writes safetensors + config + tokenizer into a temporary directory, also published by rename.
+
+Layout of output_dir/checkpoints/step_<N>/ (complete once renamed from step_<N>.tmp):
+    .metadata, __*_*.distcp   DCP shards: {"model": ..., "optim": ...}
+    trainer_state.json        step, samples_seen, tokens_seen, global_batch, world_size, ... (written last)
+    rng_rank<R>.json          per-rank RNG states
+    config.yaml               the llmtrain config of the run
+    hf_config/                model config + tokenizer, so the offline converter needs nothing else
+"""
 
 from __future__ import annotations
 
+import base64
+import json
+import random
+import re
 import shutil
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
 
+from llmtrain.config import CheckpointConfig, ConfigError
 from llmtrain.model import WEIGHTS_FILE, WEIGHTS_INDEX
 
-MAX_SHARD_SIZE = "5GB"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+STEP_DIR = re.compile(r"^step_(\d+)$")
+STATE_FILE = "trainer_state.json"
+HF_CONFIG_DIR = "hf_config"
 
 
 def full_state_dict(model: nn.Module, strategy: str, device: torch.device) -> dict[str, torch.Tensor]:
@@ -29,12 +51,15 @@ def publish(tmp: Path, final: Path) -> None:
     old = final.with_name(final.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():
+        for sub in final.glob("step_*"):  # keep the exports made during training (hf/step_<N>)
+            sub.rename(tmp / sub.name)
         final.rename(old)
     tmp.rename(final)
     shutil.rmtree(old, ignore_errors=True)
 
 
-def write_hf(state: dict[str, torch.Tensor], out: Path, config, tokenizer, dtype: torch.dtype) -> None:
+def write_hf(state: dict[str, torch.Tensor], out: Path, config, tokenizer, dtype: torch.dtype,
+             max_shard_size: str = "5GB") -> None:
     """A directory that transformers' from_pretrained loads with no llmtrain import. Never pickles."""
     import json
 
@@ -49,7 +74,7 @@ def write_hf(state: dict[str, torch.Tensor], out: Path, config, tokenizer, dtype
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     split = split_torch_state_dict_into_shards(state, filename_pattern="model{suffix}.safetensors",
-                                               max_shard_size=MAX_SHARD_SIZE)
+                                               max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():
         save_file({n: state[n] for n in names}, tmp / filename, metadata={"format": "pt"})
     if split.is_sharded:
@@ -68,9 +93,198 @@ def write_hf(state: dict[str, torch.Tensor], out: Path, config, tokenizer, dtype
 
 
 def export_hf(model: nn.Module, strategy: str, device: torch.device, out: str | Path, config, tokenizer,
-              dtype: torch.dtype = torch.float32) -> None:
+              dtype: torch.dtype = torch.float32, max_shard_size: str = "5GB") -> None:
     """Collective: all ranks gather, rank 0 writes, all ranks wait until the export is complete."""
     state = full_state_dict(model, strategy, device)
     if dist.get_rank() == 0:
-        write_hf(state, Path(out), config, tokenizer, dtype)
+        write_hf(state, Path(out), config, tokenizer, dtype, max_shard_size)
     dist.barrier()
+
+
+@dataclass
+class TrainState:
+    """The non-tensor training state. The data cursor is samples_seen: with the same global batch the
+    data order continues exactly, whatever the world size."""
+    step: int = 0
+    samples_seen: int = 0
+    tokens_seen: int = 0
+    skipped_steps: int = 0
+    global_batch: int = 0
+    world_size: int = 0
+
+
+def _rng_state() -> dict:
+    import numpy as np
+
+    enc = lambda t: base64.b64encode(t.numpy().tobytes()).decode()  # noqa: E731
+    state = {"python": repr(random.getstate()), "torch": enc(torch.get_rng_state()),
+             "numpy": repr(np.random.get_state(legacy=False))}
+    if torch.cuda.is_available():
+        state["cuda"] = enc(torch.cuda.get_rng_state())
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    import ast
+
+    import numpy as np
+
+    dec = lambda s: torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)  # noqa: E731
+    random.setstate(ast.literal_eval(state["python"]))
+    torch.set_rng_state(dec(state["torch"]))
+    np_state = state["numpy"].replace("array(", "(").replace(", dtype=uint32)", ")")
+    np.random.set_state(ast.literal_eval(np_state))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(dec(state["cuda"]))
+
+
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, path) of complete checkpoints, oldest first. A `.tmp` directory (a save that never
+    finished) or one without trainer_state.json (written last) is never taken for a checkpoint."""
+    found = []
+    if root.is_dir():
+        for p in root.iterdir():
+            m = STEP_DIR.match(p.name)
+            if m and (p / STATE_FILE).is_file() and (p / ".metadata").is_file():
+                found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def check_writable(output_dir: str) -> None:
+    """Fail before training when output_dir cannot be written (a file in the way, read-only, full)."""
+    path = Path(output_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write_test_{time.time_ns()}"
+        probe.write_bytes(b"\0" * 4096)
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"output_dir: cannot write to {output_dir}: {e.strerror or e}") from None
+
+
+def resume_path(section: CheckpointConfig, output_dir: str | Path) -> Path | None:
+    """The checkpoint that checkpoint.resume names, or None to start fresh."""
+    if section.resume == "never":
+        return None
+    if section.resume == "auto":
+        found = complete_checkpoints(Path(output_dir) / "checkpoints")
+        return found[-1][1] if found else None
+    path = Path(section.resume)
+    if not ((path / STATE_FILE).is_file() and (path / ".metadata").is_file()):
+        raise ConfigError(f"checkpoint.resume: {section.resume} is not a complete checkpoint "
+                          f"(no {STATE_FILE} or .metadata); use auto, never or a checkpoints/step_<N> path")
+    return path
+
+
+class SaveError(RuntimeError):
+    def __init__(self, tmp: Path, cause: Exception):
+        super().__init__(f"saving checkpoint {tmp.name.removesuffix('.tmp')} failed: {cause}. "
+                         f"The partial save stays in {tmp} (never loaded); earlier checkpoints are intact.")
+
+
+class CheckpointManager:
+    """Owns every saved piece of training state. save() and resume() are collectives."""
+
+    def __init__(self, section: CheckpointConfig, output_dir: str, model: nn.Module, optimizer, rank: int,
+                 config_yaml: str, model_config, tokenizer):
+        self.section = section
+        self.root = Path(output_dir) / "checkpoints"
+        self.model, self.optimizer, self.rank = model, optimizer, rank
+        self.config_yaml, self.model_config, self.tokenizer = config_yaml, model_config, tokenizer
+        self.pending = None  # (future, tmp dir, final dir) of an async save
+        self.last_save = time.monotonic()
+
+    # -- what to save -------------------------------------------------------------------------------
+    def _tensors(self) -> dict:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def due(self, step: int, timer_fired: bool) -> bool:
+        every = self.section.every_steps
+        return (every > 0 and step % every == 0) or timer_fired
+
+    def timer_fired(self) -> bool:
+        """This rank's view; the recipe all-reduces it so that every rank agrees."""
+        minutes = self.section.every_minutes
+        return minutes > 0 and time.monotonic() - self.last_save >= 60 * minutes
+
+    # -- save ---------------------------------------------------------------------------------------
+    def save(self, state: TrainState) -> Path:
+        """Write step_<N>.tmp on every rank, then publish it as step_<N> by rename (rank 0)."""
+        self.wait()  # one save in flight at a time
+        final = self.root / f"step_{state.step}"
+        tmp = final.with_name(final.name + ".tmp")
+        try:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            dist.barrier()
+            (tmp / f"rng_rank{self.rank}.json").write_text(json.dumps(_rng_state()))
+            if self.section.async_:
+                future = dcp.async_save(self._tensors(), checkpoint_id=str(tmp))
+                self.pending = (future, tmp, final, state)
+            else:
+                dcp.save(self._tensors(), checkpoint_id=str(tmp))
+                dist.barrier()
+                self._publish(tmp, final, state)
+        except (OSError, dcp.api.CheckpointException) as e:
+            raise SaveError(tmp, e) from e
+        self.last_save = time.monotonic()
+        return final
+
+    def poll(self) -> None:
+        """Publish a finished async save; every rank calls this once per step (one tiny all-reduce)."""
+        if self.pending is None:
+            return
+        done = torch.tensor([int(self.pending[0].done())])
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        if done.item():
+            self.wait()
+
+    def wait(self) -> None:
+        if self.pending is None:
+            return
+        future, tmp, final, state = self.pending
+        self.pending = None
+        try:
+            future.result()
+            dist.barrier()
+            self._publish(tmp, final, state)
+        except (OSError, dcp.api.CheckpointException) as e:
+            raise SaveError(tmp, e) from e
+
+    def _publish(self, tmp: Path, final: Path, state: TrainState) -> None:
+        if self.rank == 0:
+            (tmp / "config.yaml").write_text(self.config_yaml)
+            self.model_config.save_pretrained(tmp / HF_CONFIG_DIR)
+            self.tokenizer.save_pretrained(tmp / HF_CONFIG_DIR)
+            (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))  # the completion marker
+            if final.exists():  # the same step saved again (e.g. a resumed run): replace it
+                shutil.rmtree(final)
+            tmp.rename(final)
+            self._prune()
+        dist.barrier()
+
+    def _prune(self) -> None:
+        """Only after a newer checkpoint is complete do the old ones go."""
+        keep = self.section.keep_last
+        if keep > 0:
+            for _, path in complete_checkpoints(self.root)[:-keep]:
+                shutil.rmtree(path, ignore_errors=True)
+
+    # -- resume -------------------------------------------------------------------------------------
+    def resume(self) -> TrainState | None:
+        """Load the checkpoint chosen by checkpoint.resume into model and optimizer (DCP reshards to
+        this world size and strategy); returns its TrainState, or None to start fresh."""
+        path = resume_path(self.section, self.root.parent)
+        if path is None:
+            return None
+        tensors = self._tensors()
+        dcp.load(tensors, checkpoint_id=str(path))
+        set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"],
+                       optim_state_dict=tensors["optim"])
+        state = TrainState(**json.loads((path / STATE_FILE).read_text()))
+        rng = path / f"rng_rank{self.rank}.json"
+        if state.world_size == dist.get_world_size() and rng.is_file():
+            _set_rng_state(json.loads(rng.read_text()))
+        return state

@@ -109,6 +109,28 @@ class TrainConfig:
     """Clip the global gradient norm to this; 0 disables clipping."""
     seed: int = 42
     """Model init and data order; dropout uses seed + rank."""
+    on_nan: Literal["stop", "skip"] = "stop"
+    """Non-finite loss or gradient: stop (naming the step, saving nothing) or skip the update."""
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 0
+    """Save a sharded (DCP) checkpoint every N steps; 0 disables."""
+    every_minutes: float = 0.0
+    """Also save when this many minutes passed since the last save; 0 disables."""
+    keep_last: int = 2
+    """Keep the newest N complete checkpoints (older ones go after a newer one is complete); 0 keeps all."""
+    async_: bool = False
+    """(YAML key `async`) save in the background with DCP async_save while training continues."""
+    resume: str = "auto"
+    """auto: latest complete checkpoint in output_dir, else start fresh | never | a checkpoint path."""
+    export_every_steps: int = 0
+    """Also write a Hugging Face export to output_dir/hf/step_<N> every N steps; 0 disables."""
+    export_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """dtype of exported weights."""
+    max_shard_size: str = "5GB"
+    """Exported safetensors files are split above this size (with model.safetensors.index.json)."""
 
 
 @dataclass
@@ -127,6 +149,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     output_dir: str = "outputs/run"
     """Where metrics, checkpoints and the HF export go."""
@@ -186,14 +209,20 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
 
 
+def _key(field_name: str) -> str:
+    """YAML key of a field: Python keywords get a trailing underscore as field names (async_ -> async)."""
+    return field_name.rstrip("_")
+
+
 def _build(cls: type, raw: dict, prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    names = {_key(f.name): f.name for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in raw.items():
         dotted = f"{prefix}{key}"
         if key not in names:
             raise ConfigError(f"unknown config key '{dotted}'{_suggest(dotted, [prefix + n for n in names])}")
+        key = names[key]
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             if not isinstance(value, dict):
@@ -258,14 +287,19 @@ def validate(cfg: Config) -> None:
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) < 1:
             raise ConfigError(f"{key} must be >= 1")
+    for key in ("checkpoint.every_steps", "checkpoint.every_minutes", "checkpoint.keep_last",
+                "checkpoint.export_every_steps"):
+        if getattr(cfg.checkpoint, key.split(".")[1]) < 0:
+            raise ConfigError(f"{key} must be >= 0 (0 disables)")
     if cfg.train.lr <= 0:
         raise ConfigError("train.lr must be > 0")
     if len(cfg.train.betas) != 2:
         raise ConfigError("train.betas must have two values")
 
 
-def to_dict(cfg: Config) -> dict:
-    return dataclasses.asdict(cfg)
+def to_dict(cfg: Any) -> dict:
+    return {_key(f.name): to_dict(v) if dataclasses.is_dataclass(v := getattr(cfg, f.name)) else v
+            for f in dataclasses.fields(cfg)}
 
 
 def to_yaml(cfg: Config) -> str:
@@ -297,7 +331,7 @@ def describe() -> list[tuple[str, str, str, str]]:
                 continue
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             tname = str(tp).replace("typing.", "") if typing.get_origin(tp) else tp.__name__
-            rows.append((prefix + f.name, tname, repr(default), text.get(f.name, "")))
+            rows.append((prefix + _key(f.name), tname, repr(default), text.get(f.name, "")))
 
     walk(Config, "")
     return rows

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -71,7 +72,12 @@ def init(section: DistributedConfig) -> DistEnv:
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=section.timeout_s)
     if "MASTER_ADDR" in os.environ and "RANK" in os.environ:
-        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+        store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+        # torchrun --max-restarts reuses its store: without a per-attempt prefix, restarted gloo ranks
+        # read the dead ranks' addresses and fail with "connectFullMesh ... Connection refused".
+        attempt = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"llmtrain/attempt_{attempt}", store), rank=rank,
+                                world_size=world, timeout=timeout, device_id=device if device.type == "cuda" else None)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return DistEnv(rank, world, local_rank, device, backend)
@@ -105,6 +111,29 @@ def all_reduce(value: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> to
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+PREEMPTED_EXIT_CODE = 42  # saved a checkpoint after SIGTERM/SIGUSR1: requeue me
+
+
+class PreemptionFlag:
+    """SIGTERM (torchrun, Kubernetes) and SIGUSR1 (Slurm's --signal before a time limit or preemption)
+    only set a flag; the training loop agrees on it across ranks, saves and exits between steps."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.signal = signum
+
+
+def any_rank(*flags: bool, device: torch.device) -> list[bool]:
+    """Each flag true on at least one rank (one all-reduce for all of them)."""
+    t = torch.tensor([float(f) for f in flags], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in t.tolist()]
 
 
 def hard_exit(code: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 from torch import nn
@@ -15,14 +16,32 @@ def peak_lr(section: TrainConfig, dp_size: int) -> float:
     return section.lr * (dp_size if section.scale_lr else 1)
 
 
-def build_optimizer(model: nn.Module, section: TrainConfig, lr: float, device: torch.device) -> torch.optim.AdamW:
-    decay, no_decay = [], []
-    for p in model.parameters():
+def no_decay_names(model: nn.Module) -> set[str]:
+    """Norm weights and biases (1-D), by name, read before wrapping: FSDP flattens parameters."""
+    return {name for name, p in model.named_parameters() if p.ndim < 2}
+
+
+def build_optimizer(model: nn.Module, section: TrainConfig, lr: float, device: torch.device,
+                    no_decay: set[str]) -> torch.optim.AdamW:
+    decay_params, no_decay_params = [], []
+    for name, p in model.named_parameters():
         if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)  # norms and biases are not decayed
+            (no_decay_params if clean_name(name) in no_decay else decay_params).append(p)
+    names = {clean_name(n) for n, _ in model.named_parameters()}
+    if not no_decay <= names:  # a wrapper renamed parameters: fail loudly rather than decay norms
+        raise RuntimeError(f"parameters not found after wrapping: {sorted(no_decay - names)[:3]}")
+    decay, no_decay = decay_params, no_decay_params
     groups = [{"params": decay, "weight_decay": section.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(section.betas), fused=device.type == "cuda")
+
+
+WRAPPER_PARTS = re.compile(r"(^|\.)(module|_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)(?=\.)")
+
+
+def clean_name(name: str) -> str:
+    """A parameter name without the segments DDP, FSDP1, checkpointing or compile insert."""
+    return WRAPPER_PARTS.sub("", name).lstrip(".")
 
 
 def lr_at(step: int, section: TrainConfig, peak: float) -> float:

@@ -11,6 +11,7 @@ Reads top to bottom: config -> distributed -> model -> parallelize -> data -> op
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 import traceback
@@ -44,11 +45,14 @@ def setup(args: argparse.Namespace) -> Config:
     data.resolve_files(cfg.data.path)
     device, _ = distributed.pick_device(cfg.distributed, distributed.local_rank_from_env())
     parallelize.check(cfg.parallel, distributed.world_size_from_env(), device.type)
+    checkpoint.check_writable(cfg.output_dir)
+    checkpoint.resume_path(cfg.checkpoint, cfg.output_dir)
     return cfg
 
 
-def train_step(model, plan, batches, opt, scaler, cfg: Config, env: distributed.DistEnv) -> tuple[float, float, int]:
-    """One optimizer step over grad_accum_steps micro-batches; returns (global loss, grad norm, tokens)."""
+def train_step(model, plan, batches, opt, scaler, cfg: Config, env: distributed.DistEnv):
+    """One optimizer step over grad_accum_steps micro-batches.
+    Returns (global loss, grad norm, trained tokens, whether the update was applied)."""
     local = torch.stack([trained_tokens(b["labels"]) for b in batches]).sum()
     n_tokens = int(distributed.all_reduce(local.to(env.device)).item())
     # Data-parallel wrappers average gradients over ranks; scaling by world/n makes the result the
@@ -64,33 +68,32 @@ def train_step(model, plan, batches, opt, scaler, cfg: Config, env: distributed.
             scaled = loss * scale
             (scaler.scale(scaled) if scaler else scaled).backward()
         loss_sum += loss.detach()
+    loss = distributed.all_reduce(loss_sum).item() / max(n_tokens, 1)
     if scaler:
         scaler.unscale_(opt)
-    grad_norm = parallelize.clip_grad_norm(model, plan, cfg.train.max_grad_norm)
-    if scaler:
-        scaler.step(opt)
-        scaler.update()
-    else:
-        opt.step()
+    grad_norm = float(parallelize.clip_grad_norm(model, plan, cfg.train.max_grad_norm))
+    # fp16 overflows are the scaler's business (it skips that step); anything else non-finite is ours.
+    ok = math.isfinite(loss) and (scaler is not None or math.isfinite(grad_norm))
+    if ok:
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
     opt.zero_grad(set_to_none=True)
-    loss = distributed.all_reduce(loss_sum).item() / max(n_tokens, 1)
-    return loss, float(grad_norm), n_tokens
+    return loss, grad_norm, n_tokens, ok
 
 
 def train(cfg: Config, env: distributed.DistEnv) -> torch.nn.Module:
-    """Train and export; returns the trained (wrapped) model."""
-    metrics = MetricsLogger(cfg.output_dir, env.is_main, cfg.train.max_steps, 0, cfg.log.progress)
-    if env.is_main:
-        (Path(cfg.output_dir) / "config.yaml").write_text(to_yaml(cfg))
-
+    """Train (resuming if asked) and export; returns the trained (wrapped) model."""
+    preemption = distributed.PreemptionFlag()
     # Model: built on meta, sharded/wrapped, then weights arrive from rank 0 (host RAM: one copy).
     tokenizer = model_lib.load_tokenizer(cfg.tokenizer.path or cfg.model.path, cfg.model.trust_remote_code)
     model_config = model_lib.load_model_config(cfg.model, tokenizer)
     model = model_lib.build_meta_model(model_config, cfg.model)
     n_params = sum(p.numel() for p in model.parameters())
+    no_decay = optim.no_decay_names(model)
     plan = parallelize.resolve(cfg.parallel, n_params, env.world_size, env.device)
-    metrics.info(f"model: {n_params / 1e6:.2f}M parameters | {env.world_size} x {env.device.type} "
-                 f"({env.backend}) | strategy {plan.strategy} ({plan.reason}) | {cfg.parallel.mixed_precision}")
     mesh = distributed.build_mesh(env, cfg.parallel.replicate)
     model = parallelize.parallelize(model, cfg.parallel, plan, mesh, env.device)
     model_lib.load_weights(model, model_lib.full_state_dict_rank0(cfg.model, model_config, cfg.train.seed),
@@ -98,41 +101,83 @@ def train(cfg: Config, env: distributed.DistEnv) -> torch.nn.Module:
     model.train()
     distributed.seed_everything(cfg.train.seed + env.rank)  # per-rank dropout; the init above is shared
 
-    # Data: one global order, whatever the world size or accumulation split.
+    peak = optim.peak_lr(cfg.train, env.world_size)
+    opt = optim.build_optimizer(model, cfg.train, peak, env.device, no_decay)
+    scaler = parallelize.grad_scaler(plan, env.device)
+    global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * env.world_size
+    ckpt = checkpoint.CheckpointManager(cfg.checkpoint, cfg.output_dir, model, opt, env.rank, to_yaml(cfg),
+                                        model_config, tokenizer)
+    state = ckpt.resume() or checkpoint.TrainState(global_batch=global_batch, world_size=env.world_size)
+    metrics = MetricsLogger(cfg.output_dir, env.is_main, cfg.train.max_steps, state.step, cfg.log.progress,
+                            append=state.step > 0)
+    metrics.info(f"model: {n_params / 1e6:.2f}M parameters | {env.world_size} x {env.device.type} "
+                 f"({env.backend}) | strategy {plan.strategy} ({plan.reason}) | {cfg.parallel.mixed_precision}")
+    if state.step > 0:
+        metrics.info(f"resumed at step {state.step} ({state.samples_seen} samples seen)"
+                     + ("" if state.global_batch == global_batch else
+                        f"; global batch {state.global_batch} -> {global_batch}: data order continues approximately"))
+    if env.is_main:
+        (Path(cfg.output_dir) / "config.yaml").write_text(to_yaml(cfg))
+
+    # Data: one global order, whatever the world size or accumulation split; the cursor is a sample count.
     dataset = data.build_dataset(cfg.data, tokenizer, env.is_main)
     steps = data.step_batches(dataset, cfg.train.micro_batch_size, cfg.train.grad_accum_steps,
-                              env.world_size, env.rank, cfg.train.seed)
-    global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * env.world_size
+                              env.world_size, env.rank, cfg.train.seed, start_step=state.samples_seen // global_batch)
     metrics.info(f"data: {len(dataset)} rows x {cfg.data.seq_len} tokens | global batch {global_batch} rows | "
                  f"{len(dataset) // global_batch} steps per epoch")
 
-    peak = optim.peak_lr(cfg.train, env.world_size)
-    opt = optim.build_optimizer(model, cfg.train, peak, env.device)
-    scaler = parallelize.grad_scaler(plan, env.device)
-
     window_tokens, window_start = 0, time.perf_counter()
-    for step in range(cfg.train.max_steps):
+    while state.step < cfg.train.max_steps:
         t0 = time.perf_counter()
         batches = next(steps)
         data_wait = time.perf_counter() - t0
-        lr = optim.lr_at(step, cfg.train, peak)
+        lr = optim.lr_at(state.step, cfg.train, peak)
         optim.set_lr(opt, lr)
-        loss, grad_norm, n_tokens = train_step(model, plan, batches, opt, scaler, cfg, env)
+        loss, grad_norm, n_tokens, ok = train_step(model, plan, batches, opt, scaler, cfg, env)
+        if not ok and cfg.train.on_nan == "stop":
+            raise FloatingPointError(f"non-finite loss ({loss}) or grad norm ({grad_norm}) at step {state.step + 1}; "
+                                     "stopped without saving this state (train.on_nan=skip skips such steps)")
+        state.step += 1
+        state.samples_seen += global_batch
+        state.tokens_seen += n_tokens
+        state.skipped_steps += not ok
         window_tokens += global_batch * cfg.data.seq_len
         metrics.step(loss)
-        done = step + 1
-        if done % cfg.log.every_steps == 0 or done == cfg.train.max_steps:
+        if state.step % cfg.log.every_steps == 0 or state.step == cfg.train.max_steps:
             now = time.perf_counter()
-            metrics.log({"step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+            metrics.log({"step": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                          "tokens_per_sec": window_tokens / (now - window_start), "trained_tokens": n_tokens,
-                         "data_wait_s": data_wait, "elapsed_s": metrics.elapsed()})
+                         "skipped_steps": state.skipped_steps, "data_wait_s": data_wait,
+                         "elapsed_s": metrics.elapsed()})
             window_tokens, window_start = 0, now
+        ckpt.poll()
+        preempted, timer = distributed.any_rank(preemption.signal is not None, ckpt.timer_fired(), device=env.device)
+        last = state.step == cfg.train.max_steps
+        if ckpt.due(state.step, timer) or preempted or (last and cfg.checkpoint.every_steps > 0):
+            ckpt.save(state)
+        if cfg.checkpoint.export_every_steps and state.step % cfg.checkpoint.export_every_steps == 0:
+            export(model, plan, env, cfg, model_config, tokenizer, Path(cfg.output_dir) / "hf" / f"step_{state.step}")
+        if preempted:
+            ckpt.wait()
+            metrics.info(f"preempted: checkpoint step_{state.step} saved; exiting with code "
+                         f"{distributed.PREEMPTED_EXIT_CODE} to be requeued")
+            raise Preempted()
 
+    ckpt.wait()
     out = Path(cfg.output_dir) / "hf"
-    checkpoint.export_hf(model, plan.strategy, env.device, out, model_config, tokenizer)
+    export(model, plan, env, cfg, model_config, tokenizer, out)
     metrics.info(f"exported Hugging Face model to {out}")
     metrics.close()
     return model
+
+
+def export(model, plan, env, cfg: Config, model_config, tokenizer, out: Path) -> None:
+    checkpoint.export_hf(model, plan.strategy, env.device, out, model_config, tokenizer,
+                         checkpoint.DTYPES[cfg.checkpoint.export_dtype], cfg.checkpoint.max_shard_size)
+
+
+class Preempted(Exception):
+    """Saved after SIGTERM/SIGUSR1; exit with the requeue code."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,9 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train(cfg, env)
         return 0
-    except ConfigError as e:
+    except Preempted:
+        return distributed.PREEMPTED_EXIT_CODE
+    except (ConfigError, FloatingPointError, checkpoint.SaveError) as e:
         print(f"error (rank {env.rank}): {e}", file=sys.stderr)
-        return 2
+        return 2 if isinstance(e, ConfigError) else 1
     except Exception:
         traceback.print_exc()
         print(f"error (rank {env.rank}): training failed; see the traceback above", file=sys.stderr)

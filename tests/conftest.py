@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,30 +19,72 @@ TINY = REPO / "tests" / "tiny.yaml"
 BIN = Path(sys.executable).parent
 
 
-def launch(args: list[str], nproc: int = 1, timeout: float = 240, env: dict | None = None,
-           torchrun: bool = True) -> subprocess.CompletedProcess:
-    """Run `args` (a script and its arguments) under torchrun with nproc processes, or plain python."""
+def start(args: list[str], nproc: int = 1, env: dict | None = None, torchrun: bool = True,
+          torchrun_args: tuple[str, ...] = ()) -> subprocess.Popen:
+    """Start `args` (a script and its arguments) under torchrun with nproc processes, or plain python,
+    in its own process group (so a timeout can kill everything it started)."""
     if torchrun:
-        cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", *map(str, args)]
+        cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", *torchrun_args,
+               *map(str, args)]
     else:
         cmd = [sys.executable, *map(str, args)]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
                 **(env or {})}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    return subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        pytest.fail(f"timed out after {timeout}s: {' '.join(proc.args)}\n--- stdout\n{out[-3000:]}\n"
+                    f"--- stderr\n{err[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def launch(args: list[str], nproc: int = 1, timeout: float = 240, env: dict | None = None,
+           torchrun: bool = True, torchrun_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    return finish(start(args, nproc, env, torchrun, torchrun_args), timeout)
+
+
+def worker_pids(launcher_pid: int) -> dict[int, int]:
+    """{rank: pid} of the training processes below a torchrun process."""
+    pids = {}
+    for task in Path(f"/proc/{launcher_pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            try:
+                env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            for item in env:
+                if item.startswith(b"RANK="):
+                    pids[int(item[5:])] = int(child)
+    return pids
+
+
+def wait_for_step(output_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> int:
+    """Block until metrics.jsonl reports at least `step`; returns the step seen."""
+    deadline = time.monotonic() + timeout
+    path = output_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"exited early with {proc.returncode}: {proc.stderr.read()[-3000:]}")
+        if path.is_file():
+            lines = path.read_text().splitlines()
+            if lines and json.loads(lines[-1])["step"] >= step:
+                return json.loads(lines[-1])["step"]
+        time.sleep(0.05)
+    pytest.fail(f"no step {step} within {timeout}s")
 
 
 def run_recipe(output_dir: Path, *overrides: str, nproc: int = 1, config: Path = TINY, check: bool = True,
-               timeout: float = 240, torchrun: bool = True) -> subprocess.CompletedProcess:
+               timeout: float = 240, torchrun: bool = True, torchrun_args: tuple[str, ...] = ()
+               ) -> subprocess.CompletedProcess:
     res = launch([RECIPE, "--config", config, f"output_dir={output_dir}", *overrides], nproc=nproc,
-                 timeout=timeout, torchrun=torchrun)
+                 timeout=timeout, torchrun=torchrun, torchrun_args=torchrun_args)
     if check and res.returncode != 0:
         pytest.fail(f"exit {res.returncode}: {' '.join(res.args)}\n--- stdout\n{res.stdout[-4000:]}\n"
                     f"--- stderr\n{res.stderr[-6000:]}")
@@ -54,6 +97,11 @@ def read_metrics(output_dir: Path) -> list[dict]:
 
 def losses(output_dir: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(output_dir)]
+
+
+def losses_by_step(output_dir: Path) -> dict[int, float]:
+    """The last logged loss of each step (a restarted run logs the steps after its checkpoint again)."""
+    return {r["step"]: r["loss"] for r in read_metrics(output_dir)}
 
 
 @pytest.fixture(scope="session")

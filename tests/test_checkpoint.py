@@ -1,0 +1,213 @@
+"""Checkpoints: exact resume (also across world sizes and strategies), atomic publish, async save,
+keep_last, the offline converter, and the faults a long run meets (a rank killed, preemption
+signals, a full disk, NaN). Real processes, real DCP files."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import (RECIPE, TINY, finish, launch, losses, losses_by_step, read_metrics, run_recipe, start,
+                      wait_for_step, worker_pids)
+
+TOL = 2e-5
+SIX = ("train.max_steps=6", "checkpoint.every_steps=3")
+CONSTANT = ("train.lr_schedule=constant", "train.warmup_steps=0")  # lr independent of max_steps
+
+
+@pytest.fixture(scope="module")
+def fsdp2_run(tmp_path_factory) -> Path:
+    """2 ranks, FSDP2, 6 steps, checkpoints (and an HF export) at steps 3 and 6."""
+    out = tmp_path_factory.mktemp("fsdp2_run")
+    run_recipe(out, "parallel.strategy=fsdp2", "train.micro_batch_size=2", "checkpoint.export_every_steps=3",
+               *SIX, nproc=2)
+    return out
+
+
+def resume_from(src: Path, dst: Path, step: int, *overrides: str, nproc: int) -> dict[int, float]:
+    (dst / "checkpoints").mkdir(parents=True)
+    shutil.copytree(src / "checkpoints" / f"step_{step}", dst / "checkpoints" / f"step_{step}")
+    res = run_recipe(dst, *overrides, nproc=nproc)
+    assert f"resumed at step {step}" in res.stdout
+    return losses_by_step(dst)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc,strategy", [(1, "none"), (2, "ddp"), (2, "fsdp"), (2, "fsdp2")])
+def test_resume_continues_exactly(tmp_path, fsdp2_run, nproc, strategy):
+    """From FSDP2 on 2 ranks to each strategy and world size (2 -> 1 included), same global batch."""
+    full = losses_by_step(fsdp2_run)
+    got = resume_from(fsdp2_run, tmp_path, 3, f"parallel.strategy={strategy}",
+                      f"train.micro_batch_size={4 // nproc}", "train.max_steps=6", nproc=nproc)
+    assert sorted(got) == [4, 5, 6]
+    assert [got[s] for s in (4, 5, 6)] == pytest.approx([full[s] for s in (4, 5, 6)], abs=TOL)
+
+
+@pytest.mark.slow
+def test_resume_from_one_rank_onto_two(tmp_path):
+    one = tmp_path / "one"
+    run_recipe(one, "parallel.strategy=fsdp", *SIX)
+    got = resume_from(one, tmp_path / "two", 3, "parallel.strategy=fsdp2", "train.micro_batch_size=2",
+                      "train.max_steps=6", nproc=2)
+    full = losses_by_step(one)
+    assert [got[s] for s in (4, 5, 6)] == pytest.approx([full[s] for s in (4, 5, 6)], abs=TOL)
+
+
+@pytest.mark.slow
+def test_partial_checkpoints_are_never_loaded(tmp_path, fsdp2_run):
+    """A save killed before publishing leaves step_N.tmp; one without its completion marker is
+    ignored too: resume=auto takes the newest complete checkpoint."""
+    ck = tmp_path / "checkpoints"
+    shutil.copytree(fsdp2_run / "checkpoints", ck)
+    (ck / "step_6").rename(ck / "step_6.tmp")
+    shutil.copytree(ck / "step_3", ck / "step_9")
+    (ck / "step_9" / "trainer_state.json").unlink()
+    res = run_recipe(tmp_path, "parallel.strategy=fsdp2", "train.micro_batch_size=2", *SIX, nproc=2)
+    assert "resumed at step 3" in res.stdout
+    full = losses_by_step(fsdp2_run)
+    assert [losses_by_step(tmp_path)[s] for s in (4, 5, 6)] == pytest.approx([full[s] for s in (4, 5, 6)], abs=TOL)
+
+
+def test_async_save_and_keep_last(tmp_path, reference):
+    run_recipe(tmp_path, "checkpoint.every_steps=1", "checkpoint.async=true", "checkpoint.keep_last=2")
+    assert losses(tmp_path) == pytest.approx(reference, abs=TOL)  # saving does not disturb training
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step_3", "step_4"]
+    state = json.loads((tmp_path / "checkpoints" / "step_4" / "trainer_state.json").read_text())
+    assert state["step"] == 4 and state["samples_seen"] == 16
+
+
+def test_resume_of_a_finished_run_only_exports(tmp_path):
+    run_recipe(tmp_path, *SIX)
+    res = run_recipe(tmp_path, *SIX)
+    assert "resumed at step 6" in res.stdout and "exported" in res.stdout
+    assert [r for r in losses_by_step(tmp_path)] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.slow
+def test_converter_matches_the_export(tmp_path, fsdp2_run):
+    """Offline conversion of step_3 gives tensors identical to the export written at step 3, sharded
+    when asked, and a bf16 conversion loads in transformers."""
+    out = tmp_path / "converted"
+    res = launch(["-m", "llmtrain.convert", fsdp2_run / "checkpoints" / "step_3", out, "--max-shard-size", "40KB"],
+                 torchrun=False, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (out / "model.safetensors.index.json").is_file()
+    shards = sorted(out.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    converted = {k: v for f in shards for k, v in load_file(f).items()}
+    exported = load_file(fsdp2_run / "hf" / "step_3" / "model.safetensors")
+    assert converted.keys() == exported.keys()
+    for name, tensor in exported.items():
+        assert torch.equal(converted[name], tensor), name
+    bf16 = tmp_path / "bf16"
+    res = launch(["-m", "llmtrain.convert", fsdp2_run / "checkpoints" / "step_3", bf16, "--dtype", "bf16"],
+                 torchrun=False, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(bf16)
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert torch.allclose(model.model.embed_tokens.weight.float(), exported["model.embed_tokens.weight"], atol=1e-2)
+
+
+def test_resume_path_must_be_a_complete_checkpoint(tmp_path):
+    res = run_recipe(tmp_path, f"checkpoint.resume={tmp_path}", check=False, torchrun=False)
+    assert res.returncode == 2
+    assert "checkpoint.resume" in res.stderr and "not a complete checkpoint" in res.stderr
+
+
+@pytest.mark.slow
+def test_killed_rank_ends_the_job_quickly(tmp_path):
+    proc = start([RECIPE, "--config", TINY, f"output_dir={tmp_path}", "parallel.strategy=ddp",
+                  "train.micro_batch_size=2", "train.max_steps=100000"], nproc=2)
+    wait_for_step(tmp_path, 2, proc)
+    killed = time.monotonic()
+    os.kill(worker_pids(proc.pid)[1], signal.SIGKILL)
+    res = finish(proc, timeout=90)
+    assert res.returncode != 0
+    assert time.monotonic() - killed < 60
+
+
+@pytest.mark.slow
+def test_torchrun_restart_resumes_from_latest_checkpoint(tmp_path):
+    """With --max-restarts, a rank killed mid-run is restarted and the job finishes with the losses of
+    an uninterrupted run."""
+    common = ("parallel.strategy=fsdp2", "train.micro_batch_size=2", "train.max_steps=40",
+              "checkpoint.every_steps=2", *CONSTANT)
+    clean = tmp_path / "clean"
+    run_recipe(clean, *common, nproc=2)
+    out = tmp_path / "restarted"
+    proc = start([RECIPE, "--config", TINY, f"output_dir={out}", *common], nproc=2, torchrun_args=("--max-restarts=1",))
+    wait_for_step(out, 3, proc)
+    os.kill(worker_pids(proc.pid)[1], signal.SIGKILL)
+    res = finish(proc, timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resumed at step" in res.stdout
+    assert losses_by_step(out) == pytest.approx(losses_by_step(clean), abs=TOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
+def test_preemption_signal_saves_and_exits_for_requeue(tmp_path, sig):
+    """The signal reaches one rank only (the worst case): all ranks agree, save, exit with code 42;
+    the requeued run resumes and matches the uninterrupted losses."""
+    common = ("parallel.strategy=fsdp2", "train.micro_batch_size=2", *CONSTANT)
+    out = tmp_path / "preempted"
+    proc = start([RECIPE, "--config", TINY, f"output_dir={out}", "train.max_steps=100000", *common], nproc=2)
+    wait_for_step(out, 2, proc)
+    os.kill(worker_pids(proc.pid)[1], sig)
+    res = finish(proc, timeout=120)
+    assert re.search(r"exitcode\s*:\s*42", res.stderr), res.stderr[-3000:]
+    step = json.loads(sorted((out / "checkpoints").glob("step_*/trainer_state.json"))[-1].read_text())["step"]
+    target = step + 3
+    run_recipe(out, f"train.max_steps={target}", *common, nproc=2)
+    clean = tmp_path / "clean"
+    run_recipe(clean, f"train.max_steps={target}", *common, nproc=2)
+    assert losses_by_step(out) == pytest.approx(losses_by_step(clean), abs=TOL)
+
+
+def test_unwritable_output_dir_fails_before_training(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    res = run_recipe(blocker / "run", check=False, timeout=60, torchrun=False)
+    assert res.returncode == 2
+    assert "output_dir: cannot write" in res.stderr
+
+
+@pytest.mark.slow
+def test_disk_full_at_save_keeps_the_previous_checkpoint(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1400k", "tmpfs", str(disk)]).returncode:
+        pytest.skip("cannot mount tmpfs here")
+    try:
+        res = run_recipe(disk, "checkpoint.every_steps=2", "checkpoint.keep_last=0", check=False)
+        assert res.returncode == 1
+        assert "saving checkpoint step_4 failed" in res.stderr and "earlier checkpoints are intact" in res.stderr
+        assert (disk / "checkpoints" / "step_2" / "trainer_state.json").is_file()
+        assert not (disk / "checkpoints" / "step_4").exists()
+    finally:
+        subprocess.run(["umount", str(disk)])
+
+
+def test_nan_stops_naming_the_step_or_is_skipped(tmp_path):
+    blowup = ("train.lr=1e30", "train.max_grad_norm=0", "checkpoint.every_steps=1")
+    res = run_recipe(tmp_path / "stop", *blowup, check=False)
+    assert res.returncode == 1
+    assert re.search(r"non-finite loss .* at step 2", res.stderr), res.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "stop" / "checkpoints").iterdir()) == ["step_1"]
+    run_recipe(tmp_path / "skip", *blowup, "train.on_nan=skip")
+    assert [r["skipped_steps"] for r in read_metrics(tmp_path / "skip")] == [0, 1, 2, 3]
