@@ -19,7 +19,7 @@ import random
 import re
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -111,6 +111,7 @@ class TrainState:
     skipped_steps: int = 0
     global_batch: int = 0
     world_size: int = 0
+    data: dict = field(default_factory=dict)  # the data position (llmtrain.data make_steps)
 
 
 def _rng_state() -> dict:

@@ -40,17 +40,61 @@ class TokenizerConfig:
 
 
 @dataclass
+class SourceConfig:
+    path: str = ""
+    """A file, glob or directory."""
+    format: Literal["text", "instruction", "chat"] = "text"
+    """How this source's records become tokens and labels."""
+    weight: float = 1.0
+    """Relative sampling frequency among data.sources."""
+
+
+@dataclass
 class DataConfig:
     path: str = ""
-    """Training data: a file, a glob or a directory (jsonl/json/parquet/csv/txt)."""
-    format: Literal["text"] = "text"
-    """How records become tokens and labels."""
-    text_field: str = "text"
-    """Field holding the document for format=text."""
+    """Training data: a file, a glob or a directory (jsonl/json/parquet/csv/txt); or use data.sources."""
+    format: Literal["text", "instruction", "chat"] = "text"
+    """text: raw documents; instruction: Alpaca-style records; chat: messages (OpenAI or ShareGPT style)."""
+    sources: list[SourceConfig] | None = None
+    """Several sources mixed by weight: [{path, format, weight}, ...] (instead of data.path/format)."""
     seq_len: int = 256
-    """Tokens per training row."""
+    """Tokens per training row; longer examples are truncated (text: split)."""
     packing: bool = True
-    """Pack several documents per row (each attends only to itself); else one per row, padded."""
+    """Pack several examples per row (each attends only to itself); else one per row, padded."""
+    text_field: str = "text"
+    """format=text: the field holding the document."""
+    instruction_field: str = "instruction"
+    """format=instruction: the task field."""
+    input_field: str = "input"
+    """format=instruction: the optional context field."""
+    output_field: str = "output"
+    """format=instruction: the response field (the trained part)."""
+    prompt_template: str = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+    """format=instruction: prompt for records with an input."""
+    prompt_template_no_input: str = "### Instruction:\n{instruction}\n\n### Response:\n"
+    """format=instruction: prompt for records without an input."""
+    messages_field: str = "messages"
+    """format=chat: list of {role, content}; ShareGPT `conversations` ({from, value}) is mapped to it."""
+    train_on_prompt: bool = False
+    """Also train on prompts / non-assistant turns (default: only responses carry a loss)."""
+    strict: bool = False
+    """Fail on the first bad record (naming file and line) instead of skipping and counting."""
+    val_path: str | None = None
+    """Validation data (same format); else data.val_fraction of the training records is held out."""
+    val_fraction: float = 0.0
+    """Fraction of training records held out for validation when data.val_path is not set."""
+    streaming: bool = False
+    """Read, tokenize and pack on the fly (IterableDataset + split_dataset_by_node); flat memory."""
+    shuffle_buffer: int = 10000
+    """data.streaming: examples in the shuffle buffer."""
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = 0
+    """Evaluate val_loss / val_ppl on all ranks every N steps (and at the end); 0 disables."""
+    max_batches: int = 0
+    """Micro-batches per rank per evaluation; 0 evaluates the whole validation set."""
 
 
 @dataclass
@@ -134,11 +178,31 @@ class CheckpointConfig:
 
 
 @dataclass
+class WandbConfig:
+    project: str | None = None
+    """Weights & Biases project to log to (rank 0); unset: wandb is off."""
+    entity: str | None = None
+    """W&B user or team; default: your default entity."""
+    name: str | None = None
+    """Run name; default: the name of output_dir."""
+    mode: Literal["online", "offline", "disabled"] | None = None
+    """online | offline (no network; sync later) | disabled; default: $WANDB_MODE, else online."""
+    tags: list[str] = field(default_factory=list)
+    """Tags attached to the run."""
+
+
+@dataclass
 class LogConfig:
     every_steps: int = 10
     """Log metrics every N steps (and at the last step)."""
     progress: bool = True
-    """tqdm progress bar on rank 0 when attached to a terminal."""
+    """tqdm progress bar on rank 0 when attached to a terminal (plain lines with an ETA otherwise)."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files to output_dir/tensorboard (rank 0)."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases logging (log.wandb.project turns it on)."""
+    peak_tflops: float | None = None
+    """Peak dense TFLOP/s of one device in the compute dtype, for mfu; default: looked up by GPU name."""
 
 
 @dataclass
@@ -149,6 +213,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     output_dir: str = "outputs/run"
@@ -183,6 +248,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
         (item,) = typing.get_args(tp)
+        if dataclasses.is_dataclass(item):
+            if not all(isinstance(v, dict) for v in value):
+                raise ConfigError(f"{key}: expected a list of mappings")
+            return [_build(item, v, f"{key}[{i}].") for i, v in enumerate(value)]
         return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
     if tp is bool:
         if isinstance(value, bool):
@@ -280,8 +349,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError("set exactly one of model.path (a HF model directory) or model.config (inline Llama config)")
     if cfg.model.config is not None and cfg.tokenizer.path is None:
         raise ConfigError("model.config builds a new model, so tokenizer.path must name a tokenizer directory")
-    if not cfg.data.path:
-        raise ConfigError("data.path is required (a file, glob or directory)")
+    if bool(cfg.data.path) == bool(cfg.data.sources):
+        raise ConfigError("set data.path (a file, glob or directory) or data.sources (a list), not both")
+    if not 0 <= cfg.data.val_fraction < 1:
+        raise ConfigError("data.val_fraction must be in [0, 1)")
+    if cfg.eval.every_steps and not (cfg.data.val_path or cfg.data.val_fraction):
+        raise ConfigError("eval.every_steps needs validation data: set data.val_path or data.val_fraction")
     for key in ("train.max_steps", "train.micro_batch_size", "train.grad_accum_steps", "data.seq_len",
                 "log.every_steps", "parallel.replicate", "distributed.timeout_s"):
         section, name = key.split(".")
@@ -297,9 +370,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError("train.betas must have two values")
 
 
-def to_dict(cfg: Any) -> dict:
-    return {_key(f.name): to_dict(v) if dataclasses.is_dataclass(v := getattr(cfg, f.name)) else v
-            for f in dataclasses.fields(cfg)}
+def to_dict(cfg: Any) -> Any:
+    if isinstance(cfg, list):
+        return [to_dict(v) for v in cfg]
+    if not dataclasses.is_dataclass(cfg):
+        return cfg
+    return {_key(f.name): to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
 
 
 def to_yaml(cfg: Config) -> str:

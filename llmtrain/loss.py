@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from llmtrain.data import IGNORE
+from llmtrain.data.formats import IGNORE
 
 
 def trained_tokens(labels: torch.Tensor) -> torch.Tensor:
@@ -18,3 +18,23 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum (not mean) of next-token cross-entropies, in fp32 whatever the compute dtype."""
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
                            ignore_index=IGNORE, reduction="sum")
+
+
+@torch.no_grad()
+def evaluate(model, batches, device: torch.device, autocast) -> tuple[float, int]:
+    """Token-weighted loss over every rank's validation batches: (global mean loss, global tokens).
+    Collective: every rank must pass the same number of batches."""
+    import torch.distributed as dist
+
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    for batch in batches:
+        batch = {k: v.to(device) for k, v in batch.items()}
+        with autocast():
+            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        totals += torch.stack([token_loss_sum(logits, batch["labels"]).double(),
+                               trained_tokens(batch["labels"]).double()])
+    dist.all_reduce(totals)
+    model.train(was_training)
+    return (totals[0] / totals[1].clamp(min=1)).item(), int(totals[1].item())

@@ -23,8 +23,10 @@ import torch  # noqa: E402
 
 from llmtrain import checkpoint, data, distributed, model as model_lib, optim, parallelize  # noqa: E402
 from llmtrain.config import Config, ConfigError, describe, load_config, to_yaml  # noqa: E402
+from llmtrain import loss as loss_lib  # noqa: E402
 from llmtrain.loss import token_loss_sum, trained_tokens  # noqa: E402
-from llmtrain.metrics import MetricsLogger  # noqa: E402
+from llmtrain import metrics as metrics_lib  # noqa: E402
+from llmtrain.metrics import MetricsLogger, Throughput  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -42,11 +44,12 @@ def setup(args: argparse.Namespace) -> Config:
     """Everything that can be checked without a process group or a model: bad input fails here."""
     cfg = load_config(args.config, args.overrides)
     model_lib.check_paths(cfg.model, cfg.tokenizer.path)
-    data.resolve_files(cfg.data.path)
+    data.check(cfg.data)
     device, _ = distributed.pick_device(cfg.distributed, distributed.local_rank_from_env())
     parallelize.check(cfg.parallel, distributed.world_size_from_env(), device.type)
     checkpoint.check_writable(cfg.output_dir)
     checkpoint.resume_path(cfg.checkpoint, cfg.output_dir)
+    metrics_lib.check(cfg.log)
     return cfg
 
 
@@ -109,24 +112,25 @@ def train(cfg: Config, env: distributed.DistEnv) -> torch.nn.Module:
                                         model_config, tokenizer)
     state = ckpt.resume() or checkpoint.TrainState(global_batch=global_batch, world_size=env.world_size)
     metrics = MetricsLogger(cfg.output_dir, env.is_main, cfg.train.max_steps, state.step, cfg.log.progress,
-                            append=state.step > 0)
+                            append=state.step > 0, section=cfg.log, run_config=cfg)
     metrics.info(f"model: {n_params / 1e6:.2f}M parameters | {env.world_size} x {env.device.type} "
                  f"({env.backend}) | strategy {plan.strategy} ({plan.reason}) | {cfg.parallel.mixed_precision}")
     if state.step > 0:
-        metrics.info(f"resumed at step {state.step} ({state.samples_seen} samples seen)"
-                     + ("" if state.global_batch == global_batch else
-                        f"; global batch {state.global_batch} -> {global_batch}: data order continues approximately"))
+        metrics.info(f"resumed at step {state.step} ({state.samples_seen} samples seen)")
     if env.is_main:
         (Path(cfg.output_dir) / "config.yaml").write_text(to_yaml(cfg))
 
-    # Data: one global order, whatever the world size or accumulation split; the cursor is a sample count.
-    dataset = data.build_dataset(cfg.data, tokenizer, env.is_main)
-    steps = data.step_batches(dataset, cfg.train.micro_batch_size, cfg.train.grad_accum_steps,
-                              env.world_size, env.rank, cfg.train.seed, start_step=state.samples_seen // global_batch)
-    metrics.info(f"data: {len(dataset)} rows x {cfg.data.seq_len} tokens | global batch {global_batch} rows | "
-                 f"{len(dataset) // global_batch} steps per epoch")
+    # Data: one global order, whatever the world size or accumulation split; the position is saved.
+    built = data.build(cfg.data, tokenizer, cfg.train.seed, env.is_main, env.rank, env.world_size)
+    steps = data.make_steps(built, cfg.train.micro_batch_size, cfg.train.grad_accum_steps, env.world_size,
+                            env.rank, cfg.train.seed, env.device, state.data)
+    metrics.info(f"data: {built.stats.summary()} | global batch {global_batch} rows of {cfg.data.seq_len} tokens")
 
-    window_tokens, window_start = 0, time.perf_counter()
+    # Throughput, MFU, step time and memory over the steps between two logged steps (metrics.py).
+    perf = Throughput(metrics_lib.model_flops_per_token(model_config, n_params, cfg.data.seq_len), env.world_size,
+                      env.device, tokenizer.pad_token_id,
+                      *metrics_lib.device_peak_tflops(env.device, cfg.parallel.mixed_precision, cfg.log.peak_tflops))
+    metrics.info(perf.describe())
     while state.step < cfg.train.max_steps:
         t0 = time.perf_counter()
         batches = next(steps)
@@ -141,15 +145,15 @@ def train(cfg: Config, env: distributed.DistEnv) -> torch.nn.Module:
         state.samples_seen += global_batch
         state.tokens_seen += n_tokens
         state.skipped_steps += not ok
-        window_tokens += global_batch * cfg.data.seq_len
-        metrics.step(loss)
+        state.data = steps.position()
+        perf.add(batches, time.perf_counter() - t0 - data_wait)
+        metrics.step(loss, perf.last_tokens_per_sec)
         if state.step % cfg.log.every_steps == 0 or state.step == cfg.train.max_steps:
-            now = time.perf_counter()
-            metrics.log({"step": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                         "tokens_per_sec": window_tokens / (now - window_start), "trained_tokens": n_tokens,
-                         "skipped_steps": state.skipped_steps, "data_wait_s": data_wait,
-                         "elapsed_s": metrics.elapsed()})
-            window_tokens, window_start = 0, now
+            metrics.log({"step": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "trained_tokens": n_tokens,
+                         "skipped_steps": state.skipped_steps, "data_wait_s": data_wait, "elapsed_s": metrics.elapsed(),
+                         **perf.collect()})  # collect() is a collective: every rank logs the same steps
+        if cfg.eval.every_steps and (state.step % cfg.eval.every_steps == 0 or state.step == cfg.train.max_steps):
+            evaluate(model, plan, built.val, cfg, env, state.step, metrics)
         ckpt.poll()
         preempted, timer = distributed.any_rank(preemption.signal is not None, ckpt.timer_fired(), device=env.device)
         last = state.step == cfg.train.max_steps
@@ -161,6 +165,7 @@ def train(cfg: Config, env: distributed.DistEnv) -> torch.nn.Module:
             ckpt.wait()
             metrics.info(f"preempted: checkpoint step_{state.step} saved; exiting with code "
                          f"{distributed.PREEMPTED_EXIT_CODE} to be requeued")
+            metrics.close()
             raise Preempted()
 
     ckpt.wait()
@@ -169,6 +174,12 @@ def train(cfg: Config, env: distributed.DistEnv) -> torch.nn.Module:
     metrics.info(f"exported Hugging Face model to {out}")
     metrics.close()
     return model
+
+
+def evaluate(model, plan, val, cfg: Config, env: distributed.DistEnv, step: int, metrics: MetricsLogger) -> None:
+    batches = data.eval_batches(val, cfg.train.micro_batch_size, env.world_size, env.rank, cfg.eval.max_batches)
+    val_loss, _ = loss_lib.evaluate(model, batches, env.device, lambda: parallelize.autocast(plan, env.device))
+    metrics.log({"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))})
 
 
 def export(model, plan, env, cfg: Config, model_config, tokenizer, out: Path) -> None:

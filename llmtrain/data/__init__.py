@@ -1,0 +1,332 @@
+"""Data: sources (Hugging Face datasets) -> formats (text / instruction / chat -> ids + labels) ->
+packing (rows of seq_len with per-example position_ids) -> the global sample order (sampling.py).
+
+Map-style (default): tokenized once with datasets.map, cached by fingerprint; rank 0 builds the
+cache while the others wait, then they read it. Streaming (data.streaming): IterableDataset +
+split_dataset_by_node, tokenized and packed on the fly; ranks agree when to wrap to a new epoch."""
+
+from __future__ import annotations
+
+import glob
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from llmtrain.config import ConfigError, DataConfig, SourceConfig
+from llmtrain.data.formats import ENCODERS, IGNORE, BadRecord, prepare_tokenizer
+from llmtrain.data.packing import RowBuilder, to_rows
+from llmtrain.data.sampling import GlobalOrderSampler, step_batches
+
+__all__ = ["IGNORE", "GlobalOrderSampler", "step_batches", "resolve_files", "check", "build", "Built",
+           "StreamSteps", "MapSteps", "make_steps", "prepare_tokenizer"]
+
+BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
+PACK_BATCH = 1000  # examples packed together; the last row of each batch is padded
+
+
+def resolve_files(path: str, key: str = "data.path") -> list[str]:
+    """A file, a glob or a directory -> sorted data files of one known type."""
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(str(f) for f in p.rglob("*") if f.is_file() and f.suffix in BUILDERS)
+    else:
+        files = sorted(glob.glob(path, recursive=True))
+    if not files:
+        raise ConfigError(f"{key}: nothing matches {path!r}")
+    suffixes = {Path(f).suffix for f in files}
+    if unknown := suffixes - set(BUILDERS):
+        raise ConfigError(f"{key}: unsupported file type {sorted(unknown)}; use one of {sorted(BUILDERS)}")
+    if len(suffixes) > 1:
+        raise ConfigError(f"{key}: mixes file types {sorted(suffixes)}; point it at one type")
+    return files
+
+
+def sources(section: DataConfig) -> list[SourceConfig]:
+    return section.sources or [SourceConfig(section.path, section.format, 1.0)]
+
+
+def check(section: DataConfig) -> None:
+    """File-level checks, cheap enough for set-up (before any process group)."""
+    for i, src in enumerate(sources(section)):
+        resolve_files(src.path, "data.path" if not section.sources else f"data.sources[{i}].path")
+        if src.weight <= 0:
+            raise ConfigError(f"data.sources[{i}].weight must be > 0")
+    if section.val_path:
+        resolve_files(section.val_path, "data.val_path")
+
+
+@dataclass
+class Stats:
+    num_examples: int = 0
+    skipped: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
+    truncated: int = 0
+
+    def summary(self) -> str:
+        text = f"{self.num_examples} examples"
+        if self.skipped:
+            top = ", ".join(f"{r} ({n})" for r, n in sorted(self.reasons.items(), key=lambda x: -x[1])[:3])
+            text += f", {self.skipped} bad records skipped: {top}"
+        if self.truncated:
+            text += f", {self.truncated} truncated to data.seq_len"
+        return text
+
+
+def _load(path: str, key: str, streaming: bool = False):
+    from datasets import concatenate_datasets, load_dataset
+
+    files = resolve_files(path, key)
+    builder = BUILDERS[Path(files[0]).suffix]
+    if streaming:
+        return load_dataset(builder, data_files=files, split="train", streaming=True), files
+    # One dataset per file, so a bad record can be named by file and line.
+    parts = [load_dataset(builder, data_files=f, split="train") for f in files]
+    return concatenate_datasets(parts) if len(parts) > 1 else parts[0], [(f, len(d)) for f, d in zip(files, parts)]
+
+
+def _where(index: int, files: list[tuple[str, int]]) -> str:
+    for name, n in files:
+        if index < n:
+            return f"{name}, line {index + 1}"
+        index -= n
+    return f"record {index}"
+
+
+def _encode_batch(batch: dict, section: DataConfig, fmt: str, tokenizer) -> dict:
+    encode = ENCODERS[fmt]
+    out = {"input_ids": [], "labels": [], "split": [], "error": []}
+    for record in (dict(zip(batch, values)) for values in zip(*batch.values())):
+        try:
+            ids, labels = encode(record, section, tokenizer)
+            error = ""
+        except BadRecord as e:
+            ids, labels, error = [], [], str(e)
+        out["input_ids"].append(ids)
+        out["labels"].append(labels)
+        out["split"].append(fmt == "text")
+        out["error"].append(error)
+    return out
+
+
+def _examples(path: str, fmt: str, key: str, section: DataConfig, tokenizer, stats: Stats):
+    ds, files = _load(path, key)
+    ds = ds.map(_encode_batch, batched=True, remove_columns=ds.column_names, desc=f"tokenize {Path(path).name}",
+                fn_kwargs={"section": section, "fmt": fmt, "tokenizer": tokenizer})
+    errors = ds["error"]
+    bad = [i for i, e in enumerate(errors) if e]
+    if bad and section.strict:
+        raise ConfigError(f"{_where(bad[0], files)}: {errors[bad[0]]} (data.strict=true; false skips bad records)")
+    for i in bad:
+        stats.reasons[errors[i]] = stats.reasons.get(errors[i], 0) + 1
+    stats.skipped += len(bad)
+    return ds.filter(lambda e: not e, input_columns="error").remove_columns("error") if bad else ds.remove_columns("error")
+
+
+def _pack_batch(batch: dict, seq_len: int, pad_id: int, packing: bool) -> dict:
+    rows, _ = to_rows(zip(batch["input_ids"], batch["labels"], batch["split"]), seq_len, pad_id, packing)
+    return rows
+
+
+def _rows(examples, section: DataConfig, tokenizer, stats: Stats):
+    stats.num_examples += len(examples)
+    stats.truncated += sum(1 for ids, split in zip(examples["input_ids"], examples["split"])
+                           if len(ids) > section.seq_len and not (split and section.packing))
+    return examples.map(_pack_batch, batched=True, batch_size=PACK_BATCH, remove_columns=examples.column_names,
+                        desc="pack" if section.packing else "pad",
+                        fn_kwargs={"seq_len": section.seq_len, "pad_id": tokenizer.pad_token_id,
+                                   "packing": section.packing})
+
+
+@dataclass
+class Built:
+    train: object  # datasets.Dataset of rows, or a StreamingRows
+    val: object | None
+    stats: Stats
+
+
+def build(section: DataConfig, tokenizer, seed: int, is_main: bool = True, rank: int = 0,
+          world_size: int = 1) -> Built:
+    """Train (and validation) rows. Collective when a process group exists: rank 0 tokenizes first
+    (filling the datasets cache), the others wait, then read the cache."""
+    prepare_tokenizer(tokenizer, {s.format for s in sources(section)})
+    distributed = dist.is_initialized()
+    if distributed and not is_main:
+        dist.barrier()
+    try:
+        built = _build(section, tokenizer, seed, rank, world_size)
+    finally:
+        if distributed and is_main:
+            dist.barrier()
+    if built.val is not None and len(built.val) == 0:
+        raise ConfigError("the validation data yields no rows")
+    return built
+
+
+def _build(section: DataConfig, tokenizer, seed: int, rank: int, world_size: int) -> Built:
+    from datasets import interleave_datasets
+
+    stats = Stats()
+    val = None
+    if section.streaming:
+        train = StreamingRows(section, tokenizer, seed, rank, world_size)
+    else:
+        parts = [_examples(s.path, s.format, f"data.sources[{i}].path" if section.sources else "data.path",
+                           section, tokenizer, stats) for i, s in enumerate(sources(section))]
+        if len(parts) > 1:
+            weights = [s.weight for s in section.sources]
+            parts = [interleave_datasets(parts, probabilities=[w / sum(weights) for w in weights], seed=seed,
+                                         stopping_strategy="all_exhausted")]
+        examples = parts[0]
+        if section.val_fraction and not section.val_path:
+            split = examples.train_test_split(test_size=section.val_fraction, seed=seed, shuffle=True)
+            examples, val = split["train"], _rows(split["test"], section, tokenizer, Stats())
+        train = _rows(examples, section, tokenizer, stats)
+        if len(train) == 0:
+            raise ConfigError(f"the training data yields no rows ({stats.summary()})")
+        train = train.with_format("torch")
+    if section.val_path:
+        val_examples = _examples(section.val_path, sources(section)[0].format, "data.val_path", section, tokenizer,
+                                 Stats())
+        val = _rows(val_examples, section, tokenizer, Stats())
+    return Built(train, val.with_format("torch") if val is not None else None, stats)
+
+
+class StreamingRows:
+    """Rows produced on the fly from this rank's part of the stream (flat memory)."""
+
+    def __init__(self, section: DataConfig, tokenizer, seed: int, rank: int, world_size: int):
+        from datasets import interleave_datasets
+        from datasets.distributed import split_dataset_by_node
+
+        self.section, self.tokenizer = section, tokenizer
+        parts = []
+        for i, src in enumerate(sources(section)):
+            ds, _ = _load(src.path, f"data.sources[{i}].path" if section.sources else "data.path", streaming=True)
+            parts.append((ds, src.format))
+        self.formats = [fmt for _, fmt in parts]
+        streams = [ds.map(lambda r, f=fmt: {"__format": f}) for ds, fmt in parts]
+        if len(streams) > 1:
+            weights = [s.weight for s in section.sources]
+            stream = interleave_datasets(streams, probabilities=[w / sum(weights) for w in weights], seed=seed,
+                                         stopping_strategy="all_exhausted")
+        else:
+            stream = streams[0]
+        self.stream = split_dataset_by_node(stream, rank=rank, world_size=world_size).shuffle(
+            seed=seed, buffer_size=section.shuffle_buffer)
+        self.skipped = 0
+
+    def rows(self, epoch: int) -> Iterator[dict[str, list[int]]]:
+        self.stream.set_epoch(epoch)  # a new shuffle every epoch
+        builder = RowBuilder(self.section.seq_len, self.tokenizer.pad_token_id)
+        for record in self.stream:
+            fmt = record.pop("__format")
+            try:
+                ids, labels = ENCODERS[fmt](record, self.section, self.tokenizer)
+            except BadRecord as e:
+                if self.section.strict:
+                    raise ConfigError(f"{e} (data.strict=true)") from None
+                self.skipped += 1
+                continue
+            builder.add(ids, labels, fmt == "text" and self.section.packing)
+            if not self.section.packing:
+                builder.flush()
+            yield from _drain(builder)
+        builder.flush()
+        yield from _drain(builder)
+
+
+def _drain(builder: RowBuilder) -> Iterator[dict[str, list[int]]]:
+    rows = builder.rows
+    for i in range(len(rows["input_ids"])):
+        yield {k: v[i] for k, v in rows.items()}
+    for v in rows.values():
+        v.clear()
+
+
+def _collate(rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+    return {k: torch.tensor([r[k] for r in rows]) for k in rows[0]}
+
+
+class MapSteps:
+    """Steps over map-style rows; the position is the global sample count."""
+
+    def __init__(self, rows, micro: int, accum: int, world_size: int, rank: int, seed: int, samples_seen: int):
+        self.global_batch = micro * accum * world_size
+        self.samples_seen = samples_seen
+        self.it = step_batches(rows, micro, accum, world_size, rank, seed, samples_seen)
+
+    def __next__(self) -> list[dict[str, torch.Tensor]]:
+        self.samples_seen += self.global_batch
+        return next(self.it)
+
+    def position(self) -> dict:
+        return {"samples_seen": self.samples_seen}
+
+
+class StreamSteps:
+    """Steps over a stream. When any rank's part runs out, all ranks move to the next epoch together,
+    so uneven shards never leave a rank waiting in a collective. The position (epoch, rows taken by
+    each rank in it) resumes exactly at the same world size, approximately at another."""
+
+    def __init__(self, rows: StreamingRows, micro: int, accum: int, device: torch.device, position: dict,
+                 world_size: int):
+        self.rows, self.micro, self.accum, self.device = rows, micro, accum, device
+        self.epoch = position.get("epoch", 0)
+        scale = position.get("world_size", world_size) / world_size
+        self.taken = int(position.get("rows", 0) * scale)
+        self.world_size = world_size
+        self.it = self._skip(self.taken)
+
+    def _skip(self, n: int) -> Iterator:
+        it = self.rows.rows(self.epoch)
+        for _ in range(n):
+            next(it, None)
+        return it
+
+    def __next__(self) -> list[dict[str, torch.Tensor]]:
+        need = self.micro * self.accum
+        for _ in range(2):
+            got = [r for _, r in zip(range(need), self.it)]
+            short = torch.tensor([float(len(got) < need), float(self.taken == 0 and len(got) < need)],
+                                 device=self.device)
+            dist.all_reduce(short, op=dist.ReduceOp.MAX)
+            if not short[0]:
+                self.taken += need
+                return [_collate(got[i * self.micro:(i + 1) * self.micro]) for i in range(self.accum)]
+            if short[1]:
+                raise ConfigError(f"a rank's share of the streamed data holds fewer than {need} rows of "
+                                  "data.seq_len tokens; use fewer ranks, a smaller batch or more data")
+            self.epoch, self.taken = self.epoch + 1, 0
+            self.it = self.rows.rows(self.epoch)
+        raise AssertionError("unreachable")
+
+    def position(self) -> dict:
+        return {"epoch": self.epoch, "rows": self.taken, "world_size": self.world_size}
+
+
+def make_steps(built: Built, micro: int, accum: int, world_size: int, rank: int, seed: int,
+               device: torch.device, position: dict):
+    if isinstance(built.train, StreamingRows):
+        return StreamSteps(built.train, micro, accum, device, position, world_size)
+    return MapSteps(built.train, micro, accum, world_size, rank, seed, position.get("samples_seen", 0))
+
+
+def eval_batches(val, micro: int, world_size: int, rank: int, max_batches: int) -> Iterator[dict[str, torch.Tensor]]:
+    """This rank's validation micro-batches. Every rank yields the same number of batches (a rank
+    with fewer rows gets an all-ignored batch), since FSDP forwards are collectives."""
+    n_batches = math.ceil(len(val) / (micro * world_size))
+    if max_batches:
+        n_batches = min(n_batches, max_batches)
+    indices = list(range(rank, len(val), world_size))
+    for b in range(n_batches):
+        chunk = indices[b * micro:(b + 1) * micro]
+        if chunk:
+            yield val[chunk]
+        else:
+            dummy = val[[0]]
+            dummy["labels"] = torch.full_like(dummy["labels"], IGNORE)
+            yield dummy
