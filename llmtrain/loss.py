@@ -32,7 +32,7 @@ def evaluate(model, batches, device: torch.device, autocast) -> tuple[float, int
     for batch in batches:
         batch = {k: v.to(device) for k, v in batch.items()}
         with autocast():
-            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
         totals += torch.stack([token_loss_sum(logits, batch["labels"]).double(),
                                trained_tokens(batch["labels"]).double()])
     dist.all_reduce(totals)

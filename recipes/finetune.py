@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 import traceback
@@ -23,16 +24,34 @@ import torch  # noqa: E402
 
 from llmtrain import checkpoint, data, distributed, model as model_lib, optim, parallelize  # noqa: E402
 from llmtrain.config import Config, ConfigError, describe, load_config, to_yaml  # noqa: E402
+from llmtrain import launch, preflight  # noqa: E402
 from llmtrain import loss as loss_lib  # noqa: E402
 from llmtrain.loss import token_loss_sum, trained_tokens  # noqa: E402
 from llmtrain import metrics as metrics_lib  # noqa: E402
 from llmtrain.metrics import MetricsLogger, Throughput  # noqa: E402
 
 
+USAGE = """\
+Fine-tune a Llama-style causal LM with DDP, FSDP or FSDP2 on GPUs (NCCL) or CPUs (gloo).
+
+  torchrun --nproc_per_node=N recipes/finetune.py --config configs/demo.yaml [key.sub=value ...]
+  python recipes/finetune.py --config configs/demo.yaml parallel.strategy=none   # one process
+
+Settings come from the YAML file, then from dotted overrides (train.lr=1e-4 log.tensorboard=true);
+--help-config lists every key. configs/ holds ready-made files for common jobs.
+
+Writes to output_dir: metrics.jsonl (one record per logged step), config.yaml, checkpoints/
+(checkpoint.every_steps; a rerun resumes), hf/ (the Hugging Face export), tensorboard/, wandb/.
+Then: python -m llmtrain.plot OUTPUT_DIR          loss / lr / throughput curves as a PNG
+      python -m llmtrain.generate --model OUTPUT_DIR/hf --prompt "..." [--chat]
+      python -m llmtrain.convert OUTPUT_DIR/checkpoints/step_N OUT    checkpoint -> HF export
+"""
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description="Fine-tune a Llama-style model (DDP / FSDP / FSDP2; CUDA+NCCL or CPU+gloo).",
-        epilog="Overrides: dotted keys, e.g. train.lr=1e-4 parallel.strategy=fsdp2 (see --help-config).")
+    p = argparse.ArgumentParser(description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Overrides: dotted keys, e.g. train.lr=1e-4 parallel.strategy=fsdp2 "
+                                       "(see --help-config).")
     p.add_argument("--config", help="YAML config file (configs/*.yaml)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--help-config", action="store_true", help="list every config key and exit")
@@ -43,6 +62,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def setup(args: argparse.Namespace) -> Config:
     """Everything that can be checked without a process group or a model: bad input fails here."""
     cfg = load_config(args.config, args.overrides)
+    # Under `accelerate launch`: every setting it asks for must be what parallel.* gives (parallel.* governs).
+    for line in launch.check_accelerate(cfg.parallel, os.environ):
+        if os.environ.get("RANK", "0") == "0" and not args.print_config:
+            print(line, flush=True)
     model_lib.check_paths(cfg.model, cfg.tokenizer.path)
     data.check(cfg.data)
     device, _ = distributed.pick_device(cfg.distributed, distributed.local_rank_from_env())
@@ -66,7 +89,7 @@ def train_step(model, plan, batches, opt, scaler, cfg: Config, env: distributed.
         batch = {k: v.to(env.device, non_blocking=True) for k, v in batch.items()}
         with parallelize.grad_sync(model, plan, enabled=i == len(batches) - 1):
             with parallelize.autocast(plan, env.device):
-                logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+                logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
             loss = token_loss_sum(logits, batch["labels"])
             scaled = loss * scale
             (scaler.scale(scaled) if scaler else scaled).backward()
@@ -90,6 +113,10 @@ def train_step(model, plan, batches, opt, scaler, cfg: Config, env: distributed.
 def train(cfg: Config, env: distributed.DistEnv) -> torch.nn.Module:
     """Train (resuming if asked) and export; returns the trained (wrapped) model."""
     preemption = distributed.PreemptionFlag()
+    if cfg.distributed.preflight:  # all ranks joined (distributed.init); now collectives, output_dir, versions
+        summary = preflight.run(env, cfg.output_dir, cfg.distributed.preflight_timeout_s)
+        if env.is_main:
+            print(summary, flush=True)
     # Model: built on meta, sharded/wrapped, then weights arrive from rank 0 (host RAM: one copy).
     tokenizer = model_lib.load_tokenizer(cfg.tokenizer.path or cfg.model.path, cfg.model.trust_remote_code)
     model_config = model_lib.load_model_config(cfg.model, tokenizer)
@@ -205,13 +232,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
-    env = distributed.init(cfg.distributed)
+    try:
+        env = distributed.init(cfg.distributed)
+    except distributed.PreflightError as e:  # a rank missing or unreachable, named, within the preflight timeout
+        print(f"error: preflight failed: {e}", file=sys.stderr)
+        return 1
     try:
         train(cfg, env)
         return 0
     except Preempted:
         return distributed.PREEMPTED_EXIT_CODE
-    except (ConfigError, FloatingPointError, checkpoint.SaveError) as e:
+    except (ConfigError, FloatingPointError, checkpoint.SaveError, distributed.PreflightError) as e:
         print(f"error (rank {env.rank}): {e}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 1
     except Exception:
