@@ -52,6 +52,15 @@ def test_chat_trains_only_assistant_turns(tok):
     assert all(label != IGNORE for label in all_labels)
 
 
+def test_template_without_generation_markers_gives_the_same_labels(tok):
+    """Llama-3-style templates have no {% generation %}: the labels then come from locating each
+    assistant message in the rendered text, and must equal the marked template's."""
+    plain = AutoTokenizer.from_pretrained(TOKENIZER)
+    plain.chat_template = tok.chat_template.replace("{%- generation %}", "").replace("{%- endgeneration %}", "")
+    assert "{%- generation" not in plain.chat_template
+    assert encode_chat(CHAT, DataConfig(), plain) == encode_chat(CHAT, DataConfig(), tok)
+
+
 def test_sharegpt_maps_onto_messages(tok):
     share = {"conversations": [{"from": {"system": "system", "user": "human", "assistant": "gpt"}[m["role"]],
                                 "value": m["content"]} for m in CHAT["messages"]]}

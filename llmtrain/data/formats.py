@@ -3,7 +3,9 @@ Bad records raise BadRecord with the reason; the caller counts/skips them or sto
 
 from __future__ import annotations
 
-from llmtrain.config import ConfigError, DataConfig
+import re
+
+from llmtrain.config import DataConfig
 
 IGNORE = -100
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -16,6 +18,9 @@ DEFAULT_CHAT_TEMPLATE = (
     "{%- if message['role'] == 'assistant' %}{%- generation %}{{- message['content'] + eos_token }}"
     "{%- endgeneration %}{%- else %}{{- message['content'] + eos_token }}{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+
+
+GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 class BadRecord(ValueError):
@@ -81,29 +86,48 @@ def chat_messages(record: dict, section: DataConfig) -> list[dict]:
 
 
 def encode_chat(record: dict, section: DataConfig, tokenizer) -> tuple[list[int], list[int]]:
-    """The tokenizer's chat template renders the conversation; the trained tokens are what its
-    {% generation %} blocks mark, taken from that same rendering."""
+    """The tokenizer's chat template renders the conversation; the trained tokens are read from that
+    same rendering: from its {% generation %} blocks when it has them, else by locating each assistant
+    message in the rendered text (token offsets), plus the end-of-turn token that closes it."""
     messages = chat_messages(record, section)
-    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                        return_assistant_tokens_mask=True)
-    ids, mask = list(out["input_ids"]), out["assistant_masks"]
+    if GENERATION_BLOCK.search(tokenizer.chat_template):
+        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+        ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+    else:
+        ids, mask = _mask_by_offsets(messages, tokenizer)
     if not any(mask):
-        raise BadRecord("the chat template marked no assistant tokens")
+        raise BadRecord("the chat template rendered no assistant tokens")
     labels = list(ids) if section.train_on_prompt else [t if m else IGNORE for t, m in zip(ids, mask)]
     return ids, labels
+
+
+def _mask_by_offsets(messages: list[dict], tokenizer) -> tuple[list[int], list[int]]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    spans, cursor = [], 0
+    for m in messages:
+        content = m["content"] if m["content"] in text[cursor:] else m["content"].strip()
+        start = text.find(content, cursor)
+        if start < 0:
+            raise BadRecord(f"the chat template altered a {m['role']} message beyond recognition")
+        cursor = start + len(content)
+        if m["role"] == "assistant":
+            spans.append((start, cursor))
+    special = set(tokenizer.all_special_ids)
+    ids = list(enc["input_ids"])
+    mask = [int(any(a < end and b > start for start, end in spans)) for a, b in enc["offset_mapping"]]
+    # The end-of-turn token right after each assistant message is trained too: it teaches stopping.
+    closers = [i for i in range(1, len(ids)) if mask[i - 1] and not mask[i] and ids[i] in special]
+    for i in closers:
+        mask[i] = 1
+    return ids, mask
 
 
 ENCODERS = {"text": encode_text, "instruction": encode_instruction, "chat": encode_chat}
 
 
 def prepare_tokenizer(tokenizer, formats: set[str]) -> None:
-    """Chat needs a template whose assistant turns are marked with {% generation %}."""
-    if "chat" not in formats:
-        return
-    template = tokenizer.chat_template
-    if not template:
+    """Chat needs a template; a tokenizer without one gets DEFAULT_CHAT_TEMPLATE."""
+    if "chat" in formats and not tokenizer.chat_template:
         tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
-    elif "generation" not in template:
-        raise ConfigError("tokenizer.path: the chat template has no {% generation %} block, so assistant tokens "
-                         "cannot be read from its rendering; add one around assistant content (see "
-                         "llmtrain/data/formats.py DEFAULT_CHAT_TEMPLATE) or remove the template to use the default")
