@@ -16,6 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "finetune.py"
 TINY = REPO / "tests" / "tiny.yaml"
+EXPORT_LOGITS = REPO / "tests" / "scripts" / "export_logits.py"
 BIN = Path(sys.executable).parent
 
 
@@ -81,9 +82,10 @@ def wait_for_step(output_dir: Path, step: int, proc: subprocess.Popen, timeout: 
 
 
 def run_recipe(output_dir: Path, *overrides: str, nproc: int = 1, config: Path = TINY, check: bool = True,
-               timeout: float = 240, torchrun: bool = True, torchrun_args: tuple[str, ...] = ()
-               ) -> subprocess.CompletedProcess:
-    res = launch([RECIPE, "--config", config, f"output_dir={output_dir}", *overrides], nproc=nproc,
+               timeout: float = 240, torchrun: bool = True, torchrun_args: tuple[str, ...] = (),
+               script: Path = RECIPE) -> subprocess.CompletedProcess:
+    """Run the recipe (or EXPORT_LOGITS, which runs the recipe and saves probe logits)."""
+    res = launch([script, "--config", config, f"output_dir={output_dir}", *overrides], nproc=nproc,
                  timeout=timeout, torchrun=torchrun, torchrun_args=torchrun_args)
     if check and res.returncode != 0:
         pytest.fail(f"exit {res.returncode}: {' '.join(res.args)}\n--- stdout\n{res.stdout[-4000:]}\n"
@@ -105,10 +107,28 @@ def losses_by_step(output_dir: Path) -> dict[int, float]:
 
 
 @pytest.fixture(scope="session")
-def reference(tmp_path_factory) -> list[float]:
-    """Loss curve of the plainest run (one process, no wrapper, micro 4, accum 1): what all others match."""
+def reference_run(tmp_path_factory) -> Path:
+    """The plainest run (one process, no wrapper, micro 4, accum 1), through EXPORT_LOGITS so its
+    export can be checked too: the losses every other configuration must match."""
     out = tmp_path_factory.mktemp("reference")
-    run_recipe(out, "parallel.strategy=none")
-    ref = losses(out)
+    run_recipe(out, "parallel.strategy=none", script=EXPORT_LOGITS)
+    return out
+
+
+@pytest.fixture(scope="session")
+def reference(reference_run) -> list[float]:
+    ref = losses(reference_run)
     assert len(ref) == 4 and ref[-1] < ref[0], ref
     return ref
+
+
+TWO_RANKS = ("parallel.strategy=ddp", "train.micro_batch_size=2")  # global batch 4, as in `reference`
+
+
+@pytest.fixture(scope="session")
+def two_rank_losses(tmp_path_factory) -> list[float]:
+    """One node, 2 processes (torchrun --standalone), DDP: what the multi-node launches (Slurm, torchrun
+    --nnodes 2, accelerate) of the same run must reproduce."""
+    out = tmp_path_factory.mktemp("two_ranks")
+    run_recipe(out, *TWO_RANKS, nproc=2)
+    return losses(out)
