@@ -125,6 +125,10 @@ class DistributedConfig:
     """auto: nccl on cuda, gloo on cpu."""
     timeout_s: int = 600
     """Process-group timeout: a stuck collective fails after this long instead of hanging."""
+    preflight: bool = True
+    """Before training, check every rank joined, collectives work, output_dir is shared, versions match."""
+    preflight_timeout_s: int = 180
+    """Preflight (including waiting for all ranks to join) fails after this long, naming what is missing."""
 
 
 @dataclass
@@ -185,7 +189,7 @@ class WandbConfig:
     """W&B user or team; default: your default entity."""
     name: str | None = None
     """Run name; default: the name of output_dir."""
-    mode: Literal["online", "offline", "disabled"] | None = None
+    mode: Literal["online", "offline", "disabled", None] = None
     """online | offline (no network; sync later) | disabled; default: $WANDB_MODE, else online."""
     tags: list[str] = field(default_factory=list)
     """Tags attached to the run."""
@@ -356,7 +360,8 @@ def validate(cfg: Config) -> None:
     if cfg.eval.every_steps and not (cfg.data.val_path or cfg.data.val_fraction):
         raise ConfigError("eval.every_steps needs validation data: set data.val_path or data.val_fraction")
     for key in ("train.max_steps", "train.micro_batch_size", "train.grad_accum_steps", "data.seq_len",
-                "log.every_steps", "parallel.replicate", "distributed.timeout_s"):
+                "log.every_steps", "parallel.replicate", "distributed.timeout_s",
+                "distributed.preflight_timeout_s"):
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) < 1:
             raise ConfigError(f"{key} must be >= 1")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import socket
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -63,21 +64,108 @@ def pick_device(section: DistributedConfig, local_rank: int) -> tuple[torch.devi
     return torch.device("cpu"), backend
 
 
+class PreflightError(RuntimeError):
+    """A rank cannot take part in the run; the message names the rank, its node and what is missing."""
+
+
+def node_name() -> str:
+    """Slurm's name of this node when under Slurm (what sinfo/squeue show), else the hostname."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def compact_ranks(ranks: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
+    out, ranks = [], sorted(ranks)
+    i = 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+def _connect_store(rank: int, world: int, timeout: timedelta) -> dist.TCPStore:
+    """The rendezvous store: torchrun's agent store, else one that rank 0 hosts at MASTER_ADDR:MASTER_PORT.
+    Unlike dist.rendezvous, rank 0 does not wait here for the others (wait_for_ranks does, naming them)."""
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    host = rank == 0 and not agent
+    # A client retries its connection a few times, each try up to the store's timeout: a third of ours.
+    connect = timeout if host else timedelta(seconds=max(1.0, timeout.total_seconds() / 3))
+    try:
+        store = dist.TCPStore(addr, port, world_size=world, is_master=host, timeout=connect,
+                              wait_for_workers=False, multi_tenant=host)
+        store.set_timeout(timeout)
+        return store
+    except (RuntimeError, ValueError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        where = f"rank {rank} on {node_name()}"
+        if host:
+            raise PreflightError(f"{where}: cannot host the rendezvous store on {addr}:{port} (MASTER_ADDR/"
+                                 f"MASTER_PORT; port taken or address not on this host?): {first}") from None
+        owner = "torchrun's agent on the first node" if agent else "rank 0"
+        raise PreflightError(f"{where}: cannot reach the rendezvous store at {addr}:{port} within "
+                             f"{timeout.total_seconds():.0f} s: {owner} is not running or not reachable there "
+                             "(wrong MASTER_ADDR/MASTER_PORT, a firewall, or that process never started): "
+                             f"{first}") from None
+
+
+def wait_for_ranks(store: dist.Store, rank: int, world: int, timeout: timedelta) -> None:
+    """Every rank announces itself in the store and waits until all `world` ranks have: a missing rank
+    fails here, within `timeout`, naming who is missing, instead of hanging in process-group creation."""
+    store.set(f"preflight/joined/{rank}", node_name())
+    if store.add("preflight/joined", 1) == world:
+        store.set("preflight/all_joined", "1")
+    try:
+        store.wait(["preflight/all_joined"], timeout)
+        return
+    except (RuntimeError, dist.DistError):
+        pass
+    where = f"rank {rank} on {node_name()}"
+    hint = (". Check that every node launched its processes (--nnodes, --nproc_per_node, WORLD_SIZE) and that "
+            "none crashed at start-up (their logs); raise distributed.preflight_timeout_s if start-up is just slow")
+    try:
+        joined = store.add("preflight/joined", 0)
+        msg = (f"{where}: only {joined} of {world} ranks joined within {timeout.total_seconds():.0f} s "
+               "(distributed.preflight_timeout_s)")
+        if rank == 0 or world <= 64:  # the listing costs one store request per rank
+            missing = [r for r in range(world) if not store.check([f"preflight/joined/{r}"])]
+            msg += f"; missing: rank{'s' if len(missing) > 1 else ''} {compact_ranks(missing)}"
+    except (RuntimeError, dist.DistError):  # the store's host gave up first (it has the same timeout)
+        msg = (f"{where}: not all {world} ranks joined, and the rendezvous store went away while waiting "
+               "(its host, rank 0 or torchrun's agent, gave up first: its log names the missing ranks)")
+    raise PreflightError(msg + hint) from None
+
+
 def init(section: DistributedConfig) -> DistEnv:
     """Join the process group announced by the launcher, or form a 1-process group without one, so a
-    plain `python recipes/finetune.py` runs the very same code path."""
+    plain `python recipes/finetune.py` runs the very same code path. With distributed.preflight, reaching
+    the store and waiting for every rank are bounded by distributed.preflight_timeout_s (PreflightError)."""
     rank, world, local_rank = _env_int("RANK", 0), world_size_from_env(), local_rank_from_env()
     device, backend = pick_device(section, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=section.timeout_s)
     if "MASTER_ADDR" in os.environ and "RANK" in os.environ:
-        store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+        join_timeout = timedelta(seconds=section.preflight_timeout_s) if section.preflight else timeout
+        raw = _connect_store(rank, world, join_timeout)
         # torchrun --max-restarts reuses its store: without a per-attempt prefix, restarted gloo ranks
         # read the dead ranks' addresses and fail with "connectFullMesh ... Connection refused".
         attempt = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
-        dist.init_process_group(backend, store=dist.PrefixStore(f"llmtrain/attempt_{attempt}", store), rank=rank,
-                                world_size=world, timeout=timeout, device_id=device if device.type == "cuda" else None)
+        store = dist.PrefixStore(f"llmtrain/attempt_{attempt}", raw)
+        if section.preflight:
+            wait_for_ranks(store, rank, world, join_timeout)
+        try:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
+                                    device_id=device if device.type == "cuda" else None)
+        except (RuntimeError, dist.DistError) as e:
+            if not section.preflight:
+                raise
+            raise PreflightError(f"rank {rank} on {node_name()}: all {world} ranks joined, but forming the "
+                                 f"{backend} process group failed: {str(e).strip()[:2000]}") from None
+        raw.set_timeout(timeout)  # later store users (sub-groups, barriers) get the run's timeout
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return DistEnv(rank, world, local_rank, device, backend)

@@ -1,0 +1,113 @@
+"""Try a model: complete a prompt with transformers' generate.
+
+    python -m llmtrain.generate --model OUTPUT_DIR/hf --prompt "Once upon a time" [--max-new-tokens N]
+    python -m llmtrain.generate --model OUTPUT_DIR/hf --prompt "Hi!" --chat [--system "..."]
+
+--chat wraps the prompt as a user turn with the tokenizer's chat template (and asks for the
+assistant's turn); without it the prompt is continued as plain text. Greedy by default;
+--temperature > 0 samples (with --top-p, --seed). Prints the completion only."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+DTYPES = ("auto", "fp32", "bf16", "fp16")
+
+
+def build_inputs(tokenizer, prompt: str, chat: bool, system: str | None = None) -> dict:
+    """input_ids (and attention_mask) for one prompt, as a batch of one."""
+    if not chat:
+        return dict(tokenizer(prompt, return_tensors="pt"))
+    if not tokenizer.chat_template:
+        raise ValueError("--chat: this tokenizer has no chat template (tokenizer_config.json / chat_template.jinja); "
+                         "drop --chat to continue plain text")
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # The template writes the special tokens (BOS included) itself.
+    return dict(tokenizer(text, return_tensors="pt", add_special_tokens=False))
+
+
+def stop_token_ids(model, tokenizer, chat: bool) -> list[int]:
+    """The model's EOS ids, and with --chat the template's end-of-turn token (the first special token
+    after an assistant message, e.g. <|eot_id|> or <|im_end|>) so a reply ends with its turn."""
+    eos = model.generation_config.eos_token_id
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    if chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "A"}, {"role": "assistant", "content": "B"}],
+                                             tokenize=False)
+        special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+        tail = tokenizer(text[text.rindex("B") + 1:], add_special_tokens=False)["input_ids"]
+        ids.update([t for t in tail if t in special][:1])
+    return sorted(ids)
+
+
+def generate(model, tokenizer, prompt: str, chat: bool = False, max_new_tokens: int = 128, temperature: float = 0.0,
+             top_p: float = 1.0, system: str | None = None) -> str:
+    import torch
+
+    inputs = {k: v.to(model.device) for k, v in build_inputs(tokenizer, prompt, chat, system).items()}
+    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else dict(do_sample=False)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, eos_token_id=stop_token_ids(model, tokenizer, chat),
+                             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                             else tokenizer.eos_token_id, **sampling)
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def load(model_dir: str, device: str = "auto", dtype: str = "auto"):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # stdout/stderr carry the completion and errors only
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch_dtype = {"auto": "auto", "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(device)
+    model.eval()
+    return model, tokenizer
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m llmtrain.generate", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    p.add_argument("--model", required=True, help="a Hugging Face model directory, e.g. OUTPUT_DIR/hf")
+    p.add_argument("--prompt", required=True, help="the text to continue, or the user message with --chat")
+    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    p.add_argument("--system", help="--chat: a system message before the prompt")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sample")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature > 0)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: the dtype the weights were saved in")
+    args = p.parse_args(argv)
+    if not (Path(args.model) / "config.json").is_file():
+        print(f"error: --model {args.model} is not a Hugging Face model directory (no config.json)", file=sys.stderr)
+        return 2
+    if args.max_new_tokens < 1:
+        print("error: --max-new-tokens must be >= 1", file=sys.stderr)
+        return 2
+
+    import torch
+
+    torch.manual_seed(args.seed)
+    model, tokenizer = load(args.model, args.device, args.dtype)
+    try:
+        text = generate(model, tokenizer, args.prompt, args.chat, args.max_new_tokens, args.temperature, args.top_p,
+                        args.system)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

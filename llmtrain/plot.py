@@ -1,0 +1,141 @@
+"""Training curves from output_dir/metrics.jsonl, in one PNG: loss and val_loss, learning rate,
+throughput (tokens/s, MFU or TFLOP/s) and gradient norm.
+
+    python -m llmtrain.plot OUTPUT_DIR [--out curves.png]      # default: OUTPUT_DIR/curves.png
+
+Training records (loss, ...) and evaluation records (val_loss, ...) may come in any mix; a resumed
+run logs the steps after its checkpoint again, and the last record of a step wins."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+METRICS_FILE = "metrics.jsonl"  # llmtrain.metrics.METRICS_FILE (not imported: no torch needed here)
+
+
+def read_records(path: Path) -> list[dict]:
+    """Records of a metrics.jsonl; a torn last line (a run still writing) is skipped."""
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), (int, float)):
+            records.append(record)
+    return records
+
+
+def series(records: list[dict], key: str) -> tuple[list[float], list[float]]:
+    """(steps, values) of `key`, sorted by step, the last value of each step, nulls left out."""
+    by_step = {}
+    for r in records:
+        value = r.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            by_step[r["step"]] = float(value)
+    steps = sorted(by_step)
+    return steps, [by_step[s] for s in steps]
+
+
+def _last(values: list[float]) -> str:
+    return f"{values[-1]:.4g}" if values else "-"
+
+
+def plot(records: list[dict], out: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8), constrained_layout=True)
+    (ax_loss, ax_lr), (ax_tput, ax_grad) = axes
+    fig.suptitle(title, fontsize=13)
+
+    def empty(ax, what: str) -> None:
+        ax.text(0.5, 0.5, f"no {what} in metrics.jsonl", ha="center", va="center", transform=ax.transAxes,
+                color="gray")
+
+    steps, loss = series(records, "loss")
+    vsteps, vloss = series(records, "val_loss")
+    if loss:
+        ax_loss.plot(steps, loss, color="tab:blue", lw=1.6, label=f"train loss (last {_last(loss)})")
+    if vloss:
+        ax_loss.plot(vsteps, vloss, color="tab:orange", lw=1.6, marker="o", ms=4,
+                     label=f"val loss (last {_last(vloss)}, best {min(vloss):.4g})")
+    if loss or vloss:
+        ax_loss.legend(loc="upper right")
+    else:
+        empty(ax_loss, "loss")
+    ax_loss.set_title("Loss")
+
+    steps, lr = series(records, "lr")
+    if lr:
+        ax_lr.plot(steps, lr, color="tab:green", lw=1.6)
+        ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    else:
+        empty(ax_lr, "lr")
+    ax_lr.set_title("Learning rate")
+
+    steps, tps = series(records, "tokens_per_sec")
+    msteps, mfu = series(records, "mfu")
+    fsteps, tflops = series(records, "tflops")
+    if tps:
+        ax_tput.plot(steps, tps, color="tab:purple", lw=1.6, label=f"tokens/s, all devices (last {_last(tps)})")
+        ax_tput.set_ylim(bottom=0)
+        ax_tput.set_ylabel("tokens/s")
+        twin = ax_tput.twinx()
+        if mfu:
+            twin.plot(msteps, [100 * m for m in mfu], color="tab:red", lw=1.2, ls="--",
+                      label=f"MFU % (last {100 * mfu[-1]:.1f})")
+            twin.set_ylabel("MFU %")
+        elif tflops:
+            twin.plot(fsteps, tflops, color="tab:red", lw=1.2, ls="--",
+                      label=f"TFLOP/s per device (last {_last(tflops)})")
+            twin.set_ylabel("TFLOP/s per device")
+        twin.set_ylim(bottom=0)
+        lines = ax_tput.get_lines() + twin.get_lines()
+        ax_tput.legend(lines, [ln.get_label() for ln in lines], loc="best", framealpha=0.85)
+    else:
+        empty(ax_tput, "tokens_per_sec")
+    ax_tput.set_title("Throughput")
+
+    steps, grad = series(records, "grad_norm")
+    if grad:
+        ax_grad.plot(steps, grad, color="tab:brown", lw=1.4)
+    else:
+        empty(ax_grad, "grad_norm")
+    ax_grad.set_title("Gradient norm (before clipping)")
+
+    for ax in axes.flat:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m llmtrain.plot", description=__doc__.splitlines()[0])
+    p.add_argument("output_dir", type=Path, help="a run's output_dir (holding metrics.jsonl), or the file itself")
+    p.add_argument("--out", type=Path, help="PNG to write (default: OUTPUT_DIR/curves.png)")
+    args = p.parse_args(argv)
+    path = args.output_dir if args.output_dir.is_file() else args.output_dir / METRICS_FILE
+    if not path.is_file():
+        print(f"error: no {METRICS_FILE} in {args.output_dir}", file=sys.stderr)
+        return 2
+    records = read_records(path)
+    if not records:
+        print(f"error: {path} holds no records yet", file=sys.stderr)
+        return 2
+    out = args.out or path.parent / "curves.png"
+    last = max(r["step"] for r in records)
+    plot(records, out, f"{path.parent}  ·  step {last:g}")
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
