@@ -9,7 +9,6 @@
 #   MAX_RESTARTS         torchrun --max-restarts   [0: a crashing worker usually crashes again; node
 #                        failures are Slurm's business (--requeue)]
 #   MASTER_PORT          rendezvous port on the head node   [29500 + job id % 10000]
-#   PREEMPT_EXIT_CODE    exit code of the recipe after it saved its preemption checkpoint   [42]
 #   OMP_NUM_THREADS      [cpus-per-task / NPROC_PER_NODE, at least 1]
 #   NCCL_DEBUG           not set by us; export NCCL_DEBUG=INFO (or WARN) before sbatch to get it
 #   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds torchrun waits for workers after forwarding a signal
@@ -18,9 +17,10 @@
 llmtrain_die() { echo "[llmtrain] error: $*" >&2; exit 2; }
 llmtrain_log() { echo "[llmtrain $(date +%H:%M:%S)] $*"; }
 
-# Placeholder until recipes/finetune.py settles on its code; exported so the recipe can read it.
-PREEMPT_EXIT_CODE=${PREEMPT_EXIT_CODE:-42}
-export LLMTRAIN_PREEMPT_EXIT_CODE=$PREEMPT_EXIT_CODE
+# What recipes/finetune.py exits with after its preemption checkpoint (llmtrain.distributed.
+# PREEMPTED_EXIT_CODE; tests/test_slurm_cluster.py checks they agree). torchrun does not pass it
+# through (it exits 1), so this shell exits with it itself when preempted outside Slurm.
+PREEMPT_EXIT_CODE=42
 
 llmtrain_setup() {
     cd "$LLMTRAIN_ROOT" || llmtrain_die "cannot cd to repo root $LLMTRAIN_ROOT"

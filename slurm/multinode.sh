@@ -10,7 +10,7 @@
 # same option on the sbatch command line overrides. GPUs are not requested here on purpose: a
 # --gpus-per-node/--gres line is rejected outright on a cluster (or partition) without GPUs, so
 # ask for them on the command line (`sbatch --gpus-per-node=8 ...`). Other knobs (python, process
-# count, ports, preemption exit code, NCCL) are environment variables: see slurm/common.sh.
+# count, ports, NCCL) are environment variables: see slurm/common.sh.
 #
 # Preemption: 120 s before the time limit (or on `scancel --batch --signal=USR1 <jobid>`) this
 # script tells the training processes to checkpoint and exit, then requeues the job, which resumes

@@ -1,9 +1,9 @@
 """The Slurm templates (slurm/*.sh) against a real local Slurm: two logical nodes n1, n2 on this machine.
 
-The cluster comes from tests/slurm/cluster.py (root + apt, else skipped). The templates launch
-tests/slurm/echo_rank.py instead of recipes/finetune.py (LLMTRAIN_RECIPE): it reports every rank,
-does a gloo all_reduce across the nodes and plays the recipe's part in preemption (SIGUSR1 ->
-checkpoint -> PREEMPT_EXIT_CODE), so the launch, signal and requeue plumbing is what is tested.
+The cluster comes from tests/slurm/cluster.py (root + apt, else skipped). The templates run the real
+recipe (recipes/finetune.py on tests/tiny.yaml) for a 2-node training run and for preemption (SIGUSR1 ->
+checkpoint -> exit 42 -> requeue -> resume), and tests/slurm/echo_rank.py (LLMTRAIN_RECIPE), which only
+reports what every rank was handed, for the cheaper checks of the launch plumbing.
 """
 
 from __future__ import annotations
@@ -19,6 +19,11 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
+
+from conftest import RECIPE, TINY, TWO_RANKS, finish, losses, losses_by_step, start
+from llmtrain.checkpoint import complete_checkpoints
+from llmtrain.distributed import PREEMPTED_EXIT_CODE
 
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("llmtrain_slurm_cluster", REPO / "tests" / "slurm" / "cluster.py")
@@ -28,6 +33,7 @@ _spec.loader.exec_module(cluster_mod)
 slurm_cluster = cluster_mod.slurm_cluster  # session fixture
 
 STANDIN = "tests/slurm/echo_rank.py"
+TOL = 2e-5
 CPUS = os.cpu_count() or 1
 TEMPLATES = [REPO / "slurm" / "multinode.sh", REPO / "slurm" / "single_node.sh"]
 
@@ -65,13 +71,13 @@ sys.exit(int(sys.argv[2]) if seen else 0)
 
 def test_preempt_trap_forwards_once(tmp_path):
     """slurm/common.sh without Slurm: USR1 to the shell reaches the launcher once, however often it
-    is sent, and the shell exits with PREEMPT_EXIT_CODE (a Slurm job would requeue instead)."""
+    is sent, and the shell exits with the recipe's preemption code (a Slurm job would requeue instead),
+    whatever the launcher exits with (torchrun: 1)."""
     (tmp_path / "t.py").write_text(_FAKE_TRAINER)
     script = (f"set -euo pipefail; source {REPO}/slurm/common.sh; "
-              f'llmtrain_run_preemptible "{sys.executable}" {tmp_path}/t.py {tmp_path} "$PREEMPT_EXIT_CODE"; '
+              f'llmtrain_run_preemptible "{sys.executable}" {tmp_path}/t.py {tmp_path} 1; '
               "echo finished-normally")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    env["PREEMPT_EXIT_CODE"] = "43"
     p = subprocess.Popen(["bash", "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 20
     while not (tmp_path / "ready").exists():
@@ -81,10 +87,16 @@ def test_preempt_trap_forwards_once(tmp_path):
         p.send_signal(signal.SIGUSR1)
         time.sleep(0.1)
     out, _ = p.communicate(timeout=20)
-    assert p.returncode == 43, out
+    assert p.returncode == PREEMPTED_EXIT_CODE, out
     assert (tmp_path / "usr1_count").read_text() == "1", out
     assert out.count("SIGUSR1: asking the training processes") == 1, out
     assert "not a Slurm job" in out and "finished-normally" not in out, out
+
+
+def test_preempt_exit_code_is_the_recipes():
+    r = subprocess.run(["bash", "-c", f"source {REPO}/slurm/common.sh; echo $PREEMPT_EXIT_CODE"],
+                       capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == str(PREEMPTED_EXIT_CODE) == "42"
 
 
 # ---- helpers ---------------------------------------------------------------------------------------------
@@ -109,6 +121,11 @@ def _submit(cluster, tmp_path, script, *overrides, sbatch_args=(), **env_extra) 
         cwd=REPO, env=_job_env(cluster, **env_extra),
     )
     return job, out
+
+
+def _recipe_env(cluster) -> dict[str, str]:
+    """The real recipe, one process per node, one thread each (as the torchrun runs it is compared with)."""
+    return _job_env(cluster, LLMTRAIN_RECIPE="recipes/finetune.py", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
 
 
 def _reports(tmp_path, run: int) -> dict[int, dict]:
@@ -171,38 +188,85 @@ def test_single_node_template(slurm_cluster, tmp_path):
 
 
 @pytest.mark.slow
-def test_multinode_template_preempt_requeue(slurm_cluster, tmp_path):
-    """USR1 to the batch shell -> ranks checkpoint and exit 42 -> scontrol requeue -> second run completes."""
-    job, out = _submit(slurm_cluster, tmp_path, "multinode.sh", "standin.mode=preempt")
-    ready = tmp_path / "ready"
-    deadline = time.monotonic() + 60
-    while not ready.exists():
-        info = slurm_cluster.job_info(job)
-        assert info.get("JobState") not in cluster_mod.TERMINAL_STATES, (info, _explain(slurm_cluster, out))
-        assert time.monotonic() < deadline, ("stand-in never got ready", _explain(slurm_cluster, out))
-        time.sleep(0.1)
+def test_multinode_template_trains_with_the_recipe(slurm_cluster, two_rank_losses, tmp_path):
+    """`sbatch slurm/multinode.sh tests/tiny.yaml ...`: 2 nodes x 1 process run recipes/finetune.py and
+    reproduce the losses of the same run under torchrun on one node; the HF export is there. (Polled here
+    rather than `sbatch --wait`, which checks the job at 2, 10, 42 s: up to 20 s lost per test.)"""
+    out, log = tmp_path / "run", tmp_path / "job.out"
+    job = slurm_cluster.sbatch([f"--cpus-per-task={CPUS}", f"--output={log}", str(REPO / "slurm" / "multinode.sh"),
+                                str(TINY), f"output_dir={out}", *TWO_RANKS], cwd=REPO, env=_recipe_env(slurm_cluster))
+    info = slurm_cluster.wait_job(job, timeout=240)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, _explain(slurm_cluster, log))
+    assert losses(out) == pytest.approx(two_rank_losses, abs=TOL), _explain(slurm_cluster, log)
+    assert (out / "hf" / "config.json").is_file() and (out / "hf" / "model.safetensors").is_file()
+    text = log.read_text()
+    # the recipe's preflight saw both Slurm nodes (RANK 0 may be on either: c10d ranks in arrival order)
+    assert re.search(r"preflight ok .*: 2 ranks on 2 nodes \((n1|n2): \d; (n1|n2): \d\)", text), text
+    assert "node n2 (node rank 1): starting torchrun" in text
 
-    # What Slurm does at --signal=B:USR1@120: signal the batch shell only (not its children, not the steps).
-    # Twice: a repeated signal must be neither forwarded again nor kill the batch shell.
+
+def _wait_until(what: str, check, cluster, job: str, log: Path, timeout: float = 120):
+    """Poll check() until it returns something truthy, failing early if the job ends."""
+    deadline = time.monotonic() + timeout
+    while not (found := check()):
+        info = cluster.job_info(job)
+        assert info.get("JobState") not in cluster_mod.TERMINAL_STATES, (what, info, _explain(cluster, log))
+        assert time.monotonic() < deadline, (f"no {what} within {timeout}s", _explain(cluster, log))
+        time.sleep(0.05)
+    return found
+
+
+@pytest.mark.slow
+def test_multinode_template_preempt_requeue_resume(slurm_cluster, tmp_path):
+    """USR1 to the batch shell mid-run (twice: forwarded once) -> both ranks of the real recipe save a
+    checkpoint and exit 42 -> scontrol requeue -> the requeued job resumes from that checkpoint and
+    finishes with the losses of an uninterrupted run."""
+    common = (*TWO_RANKS, "train.lr_schedule=constant", "train.warmup_steps=0", "checkpoint.every_steps=0")
+    # max_steps lives in the config file, not in the (fixed) job arguments: huge for the signalled run,
+    # then set to just past its checkpoint before the requeued run starts (Slurm holds it >= 5 s).
+    cfg, config = tmp_path / "config.yaml", yaml.safe_load(TINY.read_text())
+    config["train"]["max_steps"] = 100_000
+    cfg.write_text(yaml.safe_dump(config))
+    out, log = tmp_path / "run", tmp_path / "job.out"
+    job = slurm_cluster.sbatch([f"--cpus-per-task={CPUS}", f"--output={log}", str(REPO / "slurm" / "multinode.sh"),
+                                str(cfg), f"output_dir={out}", *common], cwd=REPO, env=_recipe_env(slurm_cluster))
+
+    def trained_two_steps():
+        try:
+            lines = (out / "metrics.jsonl").read_text().splitlines()
+            return any(json.loads(line).get("step", 0) >= 2 for line in lines)
+        except (OSError, ValueError):  # not there yet, or a line half written
+            return False
+
+    _wait_until("step 2", trained_two_steps, slurm_cluster, job, log)
+    # What Slurm does at --signal=B:USR1@120: signal the batch shell only. Twice: a repeated signal must
+    # be neither forwarded again nor kill the batch shell.
     for _ in range(2):
         r = subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=slurm_cluster.env,
                            capture_output=True, text=True, timeout=30)
         assert r.returncode == 0, r.stderr
         time.sleep(0.3)
-    info = slurm_cluster.wait_job(job, timeout=90)
-    explain = _explain(slurm_cluster, out)
+    # a complete checkpoint: the preempted run is over (the requeued one may not have started yet)
+    step = _wait_until("preemption checkpoint", lambda: complete_checkpoints(out / "checkpoints"), slurm_cluster,
+                       job, log)[-1][0]
+    target = step + 2
+    config["train"]["max_steps"] = target
+    cfg.write_text(yaml.safe_dump(config))
+    clean = start([RECIPE, "--config", TINY, f"output_dir={tmp_path / 'clean'}", f"train.max_steps={target}",
+                   *common], nproc=2)  # the uninterrupted run, meanwhile
+    info = slurm_cluster.wait_job(job, timeout=180)
+    res = finish(clean, 240)
+    explain = _explain(slurm_cluster, log)
+    assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-3000:])
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, explain)
     assert info["Restarts"] == "1", (info, explain)
 
-    # first run: both ranks got the forwarded USR1 exactly once and "checkpointed" with the distinctive code
-    for rank in (0, 1):
-        rec = json.loads((tmp_path / f"preempted-rank{rank}.json").read_text())
-        assert rec["exit_code"] == 42, rec
-    # second run (SLURM_RESTART_COUNT=1): both nodes again, same world
-    first, second = _reports(tmp_path, 0), _reports(tmp_path, 1)
-    assert sorted(first) == sorted(second) == [0, 1], explain
-    assert {r["node"] for r in second.values()} == {"n1", "n2"}
-    text = out.read_text()  # --open-mode=append keeps both runs in one file
+    text = log.read_text()  # --open-mode=append keeps both runs in one file
     assert "restart 0:" in text and "restart 1:" in text, explain
     assert text.count("SIGUSR1: asking the training processes") == 1, explain
-    assert f"requeueing job {job}" in text, explain
+    assert f"preempted: checkpoint step_{step} saved; exiting with code {PREEMPTED_EXIT_CODE}" in text, explain
+    assert f"requeueing job {job}" in text and f"resumed at step {step}" in text, explain
+    resumed, uninterrupted = losses_by_step(out), losses_by_step(tmp_path / "clean")
+    assert sorted(resumed) == list(range(1, target + 1)), explain
+    assert resumed == pytest.approx(uninterrupted, abs=TOL)
+    assert (out / "hf" / "model.safetensors").is_file()

@@ -1,16 +1,13 @@
-"""Stand-in for recipes/finetune.py in the Slurm template tests (launched by torchrun via LLMTRAIN_RECIPE).
+"""Stand-in for recipes/finetune.py in the Slurm template tests (launched by torchrun via LLMTRAIN_RECIPE):
+it reports what the templates hand the recipe (environment, config path, overrides) without the cost of
+a training run. tests/test_slurm_cluster.py runs the real recipe too (training, preemption and requeue).
 
     echo_rank.py --config PATH [key=value ...]
 
 Every rank prints its RANK/WORLD_SIZE/LOCAL_RANK/node, does a gloo all_reduce of rank+1 and checks
-the sum, and writes ``<standin.out>/run<restart>-rank<rank>.json``. Overrides read here:
+the sum, and writes ``<standin.out>/run<restart>-rank<rank>.json``. Override read here:
 
     standin.out=DIR         where the JSON reports go (required)
-    standin.mode=allreduce  (default) report and exit 0
-    standin.mode=preempt    first run (SLURM_RESTART_COUNT unset/0): after the all_reduce write
-                            ``ready``, wait for SIGUSR1, "checkpoint" (barrier), write
-                            ``preempted-rank<r>.json`` and exit with LLMTRAIN_PREEMPT_EXIT_CODE, as
-                            the real recipe will; later runs (requeued) report and exit 0.
 """
 
 from __future__ import annotations
@@ -18,10 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -35,12 +30,7 @@ def main() -> int:
     a = ap.parse_args()
     ov = dict(o.split("=", 1) for o in a.overrides)
     out = Path(ov["standin.out"])
-    mode = ov.get("standin.mode", "allreduce")
     restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
-    preempt_code = int(os.environ.get("LLMTRAIN_PREEMPT_EXIT_CODE", "42"))
-
-    got_usr1 = []
-    signal.signal(signal.SIGUSR1, lambda *_: got_usr1.append(time.time()))
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     node = os.environ.get("SLURMD_NODENAME", socket.gethostname())
@@ -59,22 +49,6 @@ def main() -> int:
     }
     (out / f"run{restart}-rank{rank}.json").write_text(json.dumps(report))
     print(f"rank {rank}: all_reduce sum {t.item()} (expected {expected})", flush=True)
-
-    if mode == "preempt" and restart == 0:
-        dist.barrier()
-        if rank == 0:
-            (out / "ready").write_text("ready\n")
-        deadline = time.time() + 90
-        while not got_usr1 and time.time() < deadline:
-            time.sleep(0.05)
-        if not got_usr1:
-            print(f"rank {rank}: no SIGUSR1 within 90 s", flush=True)
-            return 3
-        print(f"rank {rank}: SIGUSR1 -> checkpoint and exit {preempt_code}", flush=True)
-        dist.barrier()  # the real recipe's collective checkpoint save
-        (out / f"preempted-rank{rank}.json").write_text(json.dumps({"rank": rank, "exit_code": preempt_code}))
-        dist.destroy_process_group()
-        return preempt_code
 
     dist.barrier()
     dist.destroy_process_group()
