@@ -26,7 +26,7 @@ from llmtrain import checkpoint, data, distributed, model as model_lib, optim, p
 from llmtrain.config import Config, ConfigError, describe, load_config, to_yaml  # noqa: E402
 from llmtrain import launch, preflight  # noqa: E402
 from llmtrain import loss as loss_lib  # noqa: E402
-from llmtrain.loss import token_loss_sum, trained_tokens  # noqa: E402
+from llmtrain.step import train_step  # noqa: E402
 from llmtrain import metrics as metrics_lib  # noqa: E402
 from llmtrain.metrics import MetricsLogger, Throughput  # noqa: E402
 
@@ -74,40 +74,6 @@ def setup(args: argparse.Namespace) -> Config:
     checkpoint.resume_path(cfg.checkpoint, cfg.output_dir)
     metrics_lib.check(cfg.log)
     return cfg
-
-
-def train_step(model, plan, batches, opt, scaler, cfg: Config, env: distributed.DistEnv):
-    """One optimizer step over grad_accum_steps micro-batches.
-    Returns (global loss, grad norm, trained tokens, whether the update was applied)."""
-    local = torch.stack([trained_tokens(b["labels"]) for b in batches]).sum()
-    n_tokens = int(distributed.all_reduce(local.to(env.device)).item())
-    # Data-parallel wrappers average gradients over ranks; scaling by world/n makes the result the
-    # gradient of (sum of all token losses) / (global trained tokens).
-    scale = env.world_size / max(n_tokens, 1)
-    loss_sum = torch.zeros((), device=env.device)
-    for i, batch in enumerate(batches):
-        batch = {k: v.to(env.device, non_blocking=True) for k, v in batch.items()}
-        with parallelize.grad_sync(model, plan, enabled=i == len(batches) - 1):
-            with parallelize.autocast(plan, env.device):
-                logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-            loss = token_loss_sum(logits, batch["labels"])
-            scaled = loss * scale
-            (scaler.scale(scaled) if scaler else scaled).backward()
-        loss_sum += loss.detach()
-    loss = distributed.all_reduce(loss_sum).item() / max(n_tokens, 1)
-    if scaler:
-        scaler.unscale_(opt)
-    grad_norm = float(parallelize.clip_grad_norm(model, plan, cfg.train.max_grad_norm))
-    # fp16 overflows are the scaler's business (it skips that step); anything else non-finite is ours.
-    ok = math.isfinite(loss) and (scaler is not None or math.isfinite(grad_norm))
-    if ok:
-        if scaler:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss, grad_norm, n_tokens, ok
 
 
 def train(cfg: Config, env: distributed.DistEnv) -> torch.nn.Module:
@@ -164,7 +130,8 @@ def train(cfg: Config, env: distributed.DistEnv) -> torch.nn.Module:
         data_wait = time.perf_counter() - t0
         lr = optim.lr_at(state.step, cfg.train, peak)
         optim.set_lr(opt, lr)
-        loss, grad_norm, n_tokens, ok = train_step(model, plan, batches, opt, scaler, cfg, env)
+        loss, grad_norm, n_tokens, ok = train_step(model, plan, batches, opt, scaler, cfg.train.max_grad_norm,
+                                                   env.device, env.world_size)
         if not ok and cfg.train.on_nan == "stop":
             raise FloatingPointError(f"non-finite loss ({loss}) or grad norm ({grad_norm}) at step {state.step + 1}; "
                                      "stopped without saving this state (train.on_nan=skip skips such steps)")

@@ -1,0 +1,98 @@
+"""Checkpoint speed through llmtrain.checkpoint, under torchrun (bench/run.py, "checkpoint").
+
+    torchrun --standalone --nproc_per_node=2 bench/ckpt_probe.py --dir DIR --shape JSON --out R.json
+
+An FSDP2 model from an inline Llama config (random init), AdamW after one step (so the optimizer
+state exists), then, all timed between barriers on rank 0:
+  save    CheckpointManager.save (DCP, every rank writes its shards, fsync, publish by rename)
+  load    a fresh CheckpointManager(resume=auto).resume() into the same model and optimizer
+          (DCP read + set_state_dict; the files were just written, so they are in the page cache)
+  export  checkpoint.export_hf (gather to rank 0, safetensors fp32 + config + tokenizer)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+TOKENIZER = Path(__file__).resolve().parents[1] / "assets" / "tokenizer"
+
+
+def du(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--dir", type=Path, required=True)
+    p.add_argument("--shape", required=True, help="inline Llama config (JSON)")
+    p.add_argument("--strategy", default="fsdp2")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+
+    from llmtrain import checkpoint, distributed, model as model_lib, optim, parallelize
+    from llmtrain.config import CheckpointConfig, DistributedConfig, ModelConfig, ParallelConfig, TrainConfig
+    from llmtrain.loss import token_loss_sum
+
+    env = distributed.init(DistributedConfig(preflight=False))
+    tokenizer = model_lib.load_tokenizer(str(TOKENIZER), False)
+    section = ModelConfig(config=json.loads(args.shape))
+    model_config = model_lib.load_model_config(section, tokenizer)
+    model = model_lib.build_meta_model(model_config, section)
+    n_params = sum(p.numel() for p in model.parameters())
+    no_decay = optim.no_decay_names(model)
+    pcfg = ParallelConfig(strategy=args.strategy)
+    plan = parallelize.resolve(pcfg, n_params, env.world_size, env.device)
+    model = parallelize.parallelize(model, pcfg, plan, distributed.build_mesh(env, 1), env.device)
+    model_lib.load_weights(model, model_lib.full_state_dict_rank0(section, model_config, 0), env.device)
+    tcfg = TrainConfig()
+    opt = optim.build_optimizer(model, tcfg, tcfg.lr, env.device, no_decay)
+    ids = torch.randint(0, len(tokenizer), (1, 64), generator=torch.Generator().manual_seed(env.rank))
+    token_loss_sum(model(input_ids=ids, use_cache=False).logits, ids).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+    def timed(fn) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier()
+        return time.perf_counter() - t0
+
+    out_dir = args.dir / "run"
+    manager = checkpoint.CheckpointManager(CheckpointConfig(every_steps=1, keep_last=1), str(out_dir), model, opt,
+                                           env.rank, "bench: {}\n", model_config, tokenizer)
+    state = checkpoint.TrainState(step=1, samples_seen=1, global_batch=env.world_size, world_size=env.world_size)
+    save_s = timed(lambda: manager.save(state))
+    ckpt = out_dir / "checkpoints" / "step_1"
+    shards = sum(f.stat().st_size for f in ckpt.iterdir() if f.is_file() and f.suffix == ".distcp")
+    total = du(ckpt)
+    loader = checkpoint.CheckpointManager(CheckpointConfig(resume="auto"), str(out_dir), model, opt, env.rank,
+                                          "bench: {}\n", model_config, tokenizer)
+    resumed = []
+    load_s = timed(lambda: resumed.append(loader.resume()))
+    assert resumed[0] is not None and resumed[0].step == 1, resumed
+    hf = args.dir / "hf"
+    export_s = timed(lambda: checkpoint.export_hf(model, plan.strategy, env.device, hf, model_config, tokenizer))
+    if env.is_main:
+        result = {"n_params": n_params, "strategy": plan.strategy, "world_size": env.world_size,
+                  "save_s": save_s, "load_s": load_s, "export_s": export_s, "checkpoint_bytes": total,
+                  "shard_bytes": shards, "export_bytes": du(hf)}
+        args.out.write_text(json.dumps(result, indent=1))
+        print(json.dumps(result))
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    os._exit(0)

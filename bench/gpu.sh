@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# bench/gpu.sh: one prepared GPU benchmark for a single lent GPU (written for one H200), <= 8 minutes.
+#
+# STATUS: NOT RUN ON A GPU YET. It was written and checked on a CPU-only machine (no GPU was lent to
+# that session): `bash -n bench/gpu.sh` and the whole script in dry-run mode
+# (`bash bench/gpu.sh --cpu-smoke`: gloo, a tiny model, fp32/bf16 on CPU, also with `datasets`
+# unimportable). Its first GPU run is its real test; read the log before trusting the table.
+#
+#   bash bench/gpu.sh                  # results in $RESULTS (default: $OUT if set, else outputs/bench-gpu)
+#   BUDGET_S=450 STEPS=30 bash bench/gpu.sh
+#
+# What it does, in order, each step bounded so that the whole script ends within BUDGET_S (450 s):
+#   1. environment: GPU name and memory, torch / CUDA / transformers versions
+#   2. checks (bench/gpu_checks.py): a 1-rank NCCL group (all_reduce, broadcast, barrier; two NCCL
+#      ranks cannot share one GPU), bf16 matmul + autocast, torch.compile forward/backward
+#   3. throughput: recipes/finetune.py, through bench/gpu_train.py (the recipe unchanged but fed
+#      random token batches and without the final export, so `datasets` is not needed: GPU machines
+#      have torch, transformers, accelerate, safetensors but not datasets), config bench/gpu-1b.yaml:
+#      a ~1.2B Llama (hidden 2048, 16 layers, 32 heads, 8 KV heads, intermediate 8192, vocab 128256),
+#      seq_len 2048, micro-batch 4, FSDP2 + bf16, 1 GPU. Four runs: eager, compile, activation
+#      checkpointing, both. tokens/s and MFU (peak from llmtrain.metrics.PEAK_TFLOPS by GPU name,
+#      H200: 989.4 bf16 TFLOP/s dense) are the recipe's own metrics, after 10 warm-up steps.
+#   4. a markdown table of the runs (bench/gpu_train.py --table), also saved to $RESULTS/table.md
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PY:-python}
+TORCHRUN=${TORCHRUN:-torchrun}
+RESULTS=${RESULTS:-${OUT:-outputs/bench-gpu}}
+BUDGET_S=${BUDGET_S:-450}
+STEPS=${STEPS:-30}
+WARMUP=${WARMUP:-10}
+CONFIG=bench/gpu-1b.yaml
+SMOKE=0
+EXTRA=()
+if [[ "${1:-}" == "--cpu-smoke" ]]; then
+  # Dry run on CPU: the same script and code paths with a tiny model, to catch mistakes before a GPU.
+  SMOKE=1
+  STEPS=6
+  WARMUP=2
+  EXTRA=(distributed.device=cpu model.config.hidden_size=64 model.config.intermediate_size=128
+         model.config.num_hidden_layers=2 model.config.num_attention_heads=4 model.config.num_key_value_heads=2
+         model.config.vocab_size=1024 data.seq_len=64 train.micro_batch_size=2 log.every_steps=2)
+fi
+mkdir -p "$RESULTS"
+start=$SECONDS
+left() { echo $(( BUDGET_S - (SECONDS - start) )); }
+
+echo "== environment"
+if [[ $SMOKE == 0 ]]; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "nvidia-smi failed"
+fi
+$PY -c "import torch, transformers; print('torch', torch.__version__, '| CUDA', torch.version.cuda, '| transformers', transformers.__version__, '| GPUs', torch.cuda.device_count())"
+$PY -c "import datasets" 2>/dev/null && echo "datasets: installed (not needed)" || echo "datasets: not installed (not needed)"
+
+echo "== checks"
+timeout 120 $PY bench/gpu_checks.py $([[ $SMOKE == 1 ]] && echo --allow-cpu) 2>"$RESULTS/checks.err" | tee "$RESULTS/checks.txt"
+checks_rc=${PIPESTATUS[0]}
+[[ $checks_rc == 0 ]] || echo "checks: exit $checks_rc (see $RESULTS/checks.err); continuing with the throughput runs"
+
+echo "== throughput: $CONFIG, $STEPS steps, table after $WARMUP warm-up steps"
+variants=("eager|"
+          "compile|parallel.compile=true"
+          "ac|parallel.activation_checkpointing=true"
+          "ac+compile|parallel.activation_checkpointing=true parallel.compile=true")
+dirs=()
+for v in "${variants[@]}"; do
+  name=${v%%|*}
+  overrides=${v#*|}
+  cap=120
+  [[ $name == *compile* ]] && cap=150
+  remaining=$(( $(left) - 20 ))  # keep 20 s for the table
+  if (( remaining < 45 )); then
+    echo "-- $name: skipped, ${remaining}s left of BUDGET_S=$BUDGET_S"
+    continue
+  fi
+  limit=$(( remaining < cap ? remaining : cap ))
+  out="$RESULTS/$name"
+  rm -rf "$out"
+  echo "-- $name ($overrides) limit ${limit}s"
+  t0=$SECONDS
+  # shellcheck disable=SC2086
+  timeout -k 5 "$limit" $TORCHRUN --standalone --nproc_per_node=1 bench/gpu_train.py --config "$CONFIG" \
+      output_dir="$out" train.max_steps="$STEPS" checkpoint.resume=never $overrides "${EXTRA[@]}" \
+      >"$out.log" 2>&1
+  rc=$?
+  rm -rf "$out/checkpoints"  # a timeout's SIGTERM makes the recipe start a preemption save: drop it
+  echo "   exit $rc after $(( SECONDS - t0 ))s; last lines of $out.log:"
+  grep -E "^(model:|step |error)" "$out.log" | tail -n 3 | sed 's/^/   /'
+  (( rc == 0 )) || tail -n 5 "$out.log" | sed 's/^/   /'
+  dirs+=("$out")
+done
+
+echo "== results ($(( SECONDS - start ))s so far)"
+if (( ${#dirs[@]} )); then
+  $PY bench/gpu_train.py --table --warmup "$WARMUP" "${dirs[@]}" | tee "$RESULTS/table.md"
+fi
+echo "total $(( SECONDS - start ))s (budget ${BUDGET_S}s)"

@@ -1,0 +1,121 @@
+"""recipes/finetune.py with random token batches instead of the data pipeline, for bench/gpu.sh.
+
+    torchrun --standalone --nproc_per_node=1 bench/gpu_train.py --config bench/gpu-1b.yaml [key=value ...]
+    python bench/gpu_train.py --table [--warmup 10] DIR [DIR ...]   # the table of finished runs
+
+The recipe runs unchanged (its config, preflight, model build, parallelize, train_step, metrics with
+tokens/s and MFU, checkpoints if asked) with two swaps, so that it needs no `datasets` (GPU machines
+may not have it) and spends its time on training:
+  * llmtrain.data.build / make_steps -> fixed random token batches (micro_batch_size x seq_len,
+    every position trained, position_ids 0..seq_len-1 as an unpacked row)
+  * the final Hugging Face export is skipped (the recipe still prints its "exported" line)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+class RandomSteps:
+    def __init__(self, vocab: int, seq_len: int, micro: int, accum: int, seed: int, samples_seen: int,
+                 global_batch: int, n_distinct: int = 4):
+        import torch
+
+        g = torch.Generator().manual_seed(seed)
+        self.batches = []
+        for _ in range(n_distinct):
+            ids = torch.randint(0, vocab, (micro, seq_len), generator=g)
+            self.batches.append({"input_ids": ids, "labels": ids.clone(),
+                                 "position_ids": torch.arange(seq_len).expand(micro, -1).contiguous()})
+        self.accum, self.i = accum, 0
+        self.samples_seen, self.global_batch = samples_seen, global_batch
+
+    def __next__(self):
+        out = [self.batches[(self.i + k) % len(self.batches)] for k in range(self.accum)]
+        self.i += self.accum
+        self.samples_seen += self.global_batch
+        return out
+
+    def position(self) -> dict:
+        return {"samples_seen": self.samples_seen}
+
+
+def patch_recipe():
+    """Load recipes/finetune.py as a module and swap its data and export for random batches / nothing."""
+    from llmtrain import data
+
+    spec = importlib.util.spec_from_file_location("finetune", REPO / "recipes" / "finetune.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    seq_len = {}
+
+    def build(section, tokenizer, seed, is_main=True, rank=0, world_size=1):
+        seq_len["n"], seq_len["vocab"] = section.seq_len, len(tokenizer)
+        stats = data.Stats(num_examples=0)
+        return data.Built(train=None, val=None, stats=stats)
+
+    def make_steps(built, micro, accum, world_size, rank, seed, device, position):
+        return RandomSteps(seq_len["vocab"], seq_len["n"], micro, accum, seed + rank,
+                           position.get("samples_seen", 0), micro * accum * world_size)
+
+    data.build, data.make_steps = build, make_steps
+    recipe.export = lambda *args, **kwargs: None
+    return recipe
+
+
+def table(dirs: list[str], warmup_steps: int = 10) -> str:
+    """Markdown table of finished runs (output_dir/metrics.jsonl): the windows after warmup_steps."""
+    rows = ["| run | tokens/s | tokens/s/device | TFLOP/s/device | MFU | step s | peak mem GiB (alloc / reserved) |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for d in dirs:
+        path = Path(d) / "metrics.jsonl"
+        name = Path(d).name
+        recs = [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+        recs = [r for r in recs if "tokens_per_sec" in r]
+        prev, steps, inverse, keep = 0, 0, 0.0, []
+        for r in recs:  # windows of equal step counts: the aggregate rate is their harmonic mean
+            if prev >= warmup_steps:
+                inverse += (r["step"] - prev) / r["tokens_per_sec"]
+                steps += r["step"] - prev
+                keep.append(r)
+            prev = r["step"]
+        if not keep:
+            rows.append(f"| {name} | failed or too short (see {d}.log) | | | | | |")
+            continue
+        tps, last = steps / inverse, keep[-1]
+        devices = last["tokens_per_sec"] / last["tokens_per_sec_per_device"]
+        # tflops and mfu are proportional to a window's rate: scale the last window's to the aggregate
+        tflops = last["tflops"] * tps / last["tokens_per_sec"]
+        mfu = None if last.get("mfu") is None else last["mfu"] * tps / last["tokens_per_sec"]
+        step_s = sum(r["step_time_s"] for r in keep) / len(keep)
+        reserved = last.get("mem_reserved_gb")
+        rows.append(f"| {name} | {tps:,.0f} | {tps / devices:,.0f} | {tflops:.3g} | "
+                    f"{'n/a' if mfu is None else f'{mfu:.1%}'} | {step_s:.3f} | "
+                    f"{last['mem_gb']:.1f} / {'n/a' if reserved is None else f'{reserved:.1f}'} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--table"]:
+        import argparse
+
+        p = argparse.ArgumentParser(prog="gpu_train.py --table")
+        p.add_argument("--warmup", type=int, default=10, help="steps left out of the rates")
+        p.add_argument("dirs", nargs="+")
+        args = p.parse_args(sys.argv[2:])
+        print(table(args.dirs, args.warmup))
+        return
+    recipe = patch_recipe()
+    from llmtrain.distributed import hard_exit
+
+    hard_exit(recipe.main(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()

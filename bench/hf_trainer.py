@@ -1,0 +1,129 @@
+"""The comparison point of bench/run.py's "vs HF Trainer" benchmark: transformers.Trainer (accelerate
+underneath) on the same chat data, tokenizer and tiny Llama config, padded per batch by its SFT
+collator (DataCollatorForSeq2Seq), trained on the assistant tokens only, Trainer defaults otherwise.
+
+    torchrun --standalone --nproc_per_node=2 bench/hf_trainer.py --config configs/demo.yaml \
+        --data data/demo/chat.jsonl --steps 30 --warmup 10 --output-dir DIR --out result.json
+
+From the config file it takes the model shape (model.config), tokenizer.path, data.seq_len (the
+truncation length), train.micro_batch_size (per-device batch), lr, warmup, schedule, weight decay,
+clipping and seed. Every rank counts, per optimizer step, the label positions that carry a loss
+(trained tokens) and the padded tokens it pushed through; rank 0 times the steps (on_step_end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.distributed as dist
+import yaml
+from datasets import load_dataset
+from transformers import (AutoTokenizer, DataCollatorForSeq2Seq, LlamaConfig, LlamaForCausalLM, Trainer,
+                          TrainerCallback, TrainingArguments)
+
+IGNORE = -100
+
+
+class CountingTrainer(Trainer):
+    """Trainer that counts what each micro-batch carries (nothing else changed)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.step_trained, self.step_tokens, self.step_real = 0, 0, 0
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        labels, mask = inputs["labels"], inputs["attention_mask"]
+        self.step_trained += int((labels[:, 1:] != IGNORE).sum())  # what the shifted loss is taken over
+        self.step_tokens += labels.numel()
+        self.step_real += int(mask.sum())
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+class StepClock(TrainerCallback):
+    def __init__(self, trainer: CountingTrainer):
+        self.trainer, self.times, self.trained, self.tokens, self.real = trainer, [], [], [], []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        t = self.trainer
+        self.times.append(time.perf_counter())
+        self.trained.append(t.step_trained)
+        self.tokens.append(t.step_tokens)
+        self.real.append(t.step_real)
+        t.step_trained = t.step_tokens = t.step_real = 0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", required=True)
+    p.add_argument("--data", default="data/demo/chat.jsonl")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    cfg = yaml.safe_load(open(args.config))
+    train, seq_len = cfg["train"], cfg["data"]["seq_len"]
+
+    tok = AutoTokenizer.from_pretrained(cfg["tokenizer"]["path"])
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+
+    def encode(record):
+        out = tok.apply_chat_template(record["messages"], tokenize=True, return_dict=True,
+                                      return_assistant_tokens_mask=True, truncation=True, max_length=seq_len)
+        ids = list(out["input_ids"])
+        labels = [t if m else IGNORE for t, m in zip(ids, out["assistant_masks"])]
+        return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
+
+    ds = load_dataset("json", data_files=args.data, split="train")
+    ds = ds.map(encode, remove_columns=ds.column_names)
+
+    torch.manual_seed(train.get("seed", 42))
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                                         use_cache=False, **cfg["model"]["config"]))
+    targs = TrainingArguments(
+        output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=train["micro_batch_size"],
+        gradient_accumulation_steps=train.get("grad_accum_steps", 1), learning_rate=float(train["lr"]),
+        warmup_steps=train.get("warmup_steps", 0), lr_scheduler_type=train.get("lr_schedule", "cosine"),
+        weight_decay=train.get("weight_decay", 0.0), max_grad_norm=train.get("max_grad_norm", 1.0),
+        adam_beta1=0.9, adam_beta2=0.95, seed=train.get("seed", 42), logging_steps=max(1, args.steps // 4),
+        save_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0,
+        use_cpu=not torch.cuda.is_available(), ddp_backend="gloo" if not torch.cuda.is_available() else None)
+    trainer = CountingTrainer(model=model, args=targs, train_dataset=ds, processing_class=tok,
+                              data_collator=DataCollatorForSeq2Seq(tok, padding=True))
+    clock = StepClock(trainer)
+    trainer.add_callback(clock)
+    trainer.train()
+
+    counts = torch.tensor([clock.trained, clock.tokens, clock.real], dtype=torch.float64)
+    world = 1
+    if dist.is_initialized():
+        dist.all_reduce(counts)
+        world = dist.get_world_size()
+    trained, tokens, real = counts.tolist()
+    w = args.warmup
+    seconds = clock.times[-1] - clock.times[w - 1]
+    wrapped = trainer.model_wrapped
+    ddp = type(wrapped).__name__
+    if trainer.args.process_index == 0:
+        result = {
+            "useful_tokens_per_sec": sum(trained[w:]) / seconds,
+            "padded_tokens_per_sec": sum(tokens[w:]) / seconds,
+            "trained_tokens": sum(trained[w:]), "tokens": sum(tokens[w:]), "real_tokens": sum(real[w:]),
+            "seconds": seconds, "steps": args.steps, "warmup": w, "world_size": world,
+            "step_end_s": [t - clock.times[0] for t in clock.times], "step_trained_tokens": trained,
+            "wrapper": ddp, "find_unused_parameters": getattr(wrapped, "find_unused_parameters", None),
+            "distributed_type": str(trainer.accelerator.distributed_type),
+            "backend": dist.get_backend() if dist.is_initialized() else None,
+        }
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,502 @@
+#!/usr/bin/env python
+"""llmtrain benchmarks: figures measured side by side in one run and reported as ratios (absolute
+CPU times on a shared machine are not stable; ratios of interleaved runs are).
+
+    python bench/run.py [--quick] [--only NAME ...] [--results-dir bench/results]
+
+Prints one markdown table per benchmark, then a summary of the ratios against their targets, and
+writes <results-dir>/<YYYY-MM-DD>.json (<date>-quick.json with --quick) and a PNG of the ratios next
+to it. A later run on the same day with --only replaces only the benchmarks it ran in that file.
+
+  overhead    recipes/finetune.py (configs/demo.yaml, 2 ranks, gloo) vs bench/bare_loop.py, the bare
+              tutorial loop on the same model shape, seq_len, batch and ranks; steady-state tokens/s
+              after warm-up, interleaved A B A B, median ratio. Target >= 0.97x.
+  trainer     useful (trained, non-pad) tokens/s on data/demo/chat.jsonl: the recipe (chat format,
+              packing, DDP) vs transformers.Trainer (bench/hf_trainer.py: padding per batch with
+              DataCollatorForSeq2Seq, DDP through accelerate), same model, steps and ranks. Target >= 1.3x.
+  memory      per-rank bytes of parameters + gradients + AdamW state and peak RSS for ddp / fsdp /
+              fsdp2 on an ~81M-parameter Llama (bench/memory_probe.py), and the host RAM used while
+              loading it from a safetensors directory with 2 ranks vs one copy of the weights.
+              Targets: fsdp* training state <= 0.6x ddp; loading <= 1.3x one copy.
+  data        llmtrain.data.build (tokenize + pack, cold datasets cache) on a scaled-up copy of
+              data/demo/train.jsonl vs the demo's training consumption (tokens/s). Target >= 10x.
+  checkpoint  DCP save / load through CheckpointManager and the HF export of an ~106M-parameter model
+              on 2 ranks (bench/ckpt_probe.py) vs `dd` of the same size in the same directory.
+
+--quick makes every benchmark tiny (a smoke run: the figures mean little). The GPU benchmark is a
+separate script, bench/gpu.sh (see its header).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (RECIPE, REPO, BenchError, best_window_rate, fmt_bytes, median, run, steady_tokens_per_sec,  # noqa: E402
+                    torchrun, train_records, useful_tokens_per_sec)
+
+import yaml  # noqa: E402
+
+BENCH = REPO / "bench"
+DEMO = REPO / "configs" / "demo.yaml"
+NAMES = ["overhead", "trainer", "memory", "data", "checkpoint"]
+TIMEOUT = 600
+
+
+def ratio(name: str, value: float | None, target: float | None = None, op: str = ">=", note: str = "") -> dict:
+    met = None
+    if target is not None and value is not None:
+        met = value >= target if op == ">=" else value <= target
+    return {"name": name, "value": value, "target": target, "op": op, "met": met, "note": note}
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def write_config(path: Path, base: Path, changes: dict) -> Path:
+    """A copy of a YAML config with nested changes {"data": {"path": ...}} applied."""
+    cfg = yaml.safe_load(base.read_text())
+    for section, values in changes.items():
+        cfg.setdefault(section, {}).update(values)
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+class Ctx:
+    def __init__(self, quick: bool, work: Path):
+        self.quick, self.work = quick, work
+        self.demo_tokens_per_sec: float | None = None  # from the overhead benchmark, reused by data
+        self.demo_source = ""
+
+    def dir(self, name: str) -> Path:
+        path = self.work / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+
+# -- 1. framework overhead -------------------------------------------------------------------------
+
+def bench_overhead(ctx: Ctx) -> dict:
+    steps, warmup, every, pairs = (6, 2, 2, 1) if ctx.quick else (25, 10, 5, 2)
+    work = ctx.dir("overhead")
+    cfg = DEMO
+    recipe, bare, ratios_, best = [], [], [], []
+    for i in range(pairs):  # A B A B: the same load drift touches both sides
+        out = work / f"recipe_{i}"
+        torchrun([RECIPE, "--config", cfg, f"output_dir={out}", f"train.max_steps={steps}",
+                  f"log.every_steps={every}", "log.progress=false", "checkpoint.resume=never"],
+                 timeout=TIMEOUT, log=work / f"recipe_{i}.log")
+        records = train_records(out)
+        a = steady_tokens_per_sec(records, warmup)
+        a_best = max(r["tokens_per_sec"] for r in records if r["step"] > warmup)
+        res = work / f"bare_{i}.json"
+        torchrun([BENCH / "bare_loop.py", "--config", cfg, "--steps", steps, "--warmup", warmup, "--every", every,
+                  "--out", res], timeout=TIMEOUT, log=work / f"bare_{i}.log")
+        b_res = json.loads(res.read_text())
+        b, b_best = b_res["tokens_per_sec"], max(b_res["window_tokens_per_sec"])
+        recipe.append(a)
+        bare.append(b)
+        ratios_.append(a / b)
+        best.append(a_best / b_best)
+    ctx.demo_tokens_per_sec = median(recipe)
+    ctx.demo_source = f"the overhead benchmark's recipe runs (median of {pairs})"
+    demo = yaml.safe_load(cfg.read_text())
+    shape = (f"demo model ({demo['model']['config']['hidden_size']} hidden, "
+             f"{demo['model']['config']['num_hidden_layers']} layers), {demo['parallel']['strategy']}, "
+             f"seq {demo['data']['seq_len']}, micro-batch {demo['train']['micro_batch_size']}, 2 ranks gloo")
+    rows = [[f"pair {i + 1}", f"{a:,.0f}", f"{b:,.0f}", f"{a / b:.3f}", f"{r:.3f}"]
+            for i, (a, b, r) in enumerate(zip(recipe, bare, best))]
+    rows.append(["**median**", f"{median(recipe):,.0f}", f"{median(bare):,.0f}", f"**{median(ratios_):.3f}**",
+                 f"{median(best):.3f}"])
+    text = table(["run (A B order)", "recipe tokens/s", "bare loop tokens/s", "recipe / bare",
+                  f"best {every}-step window, recipe / bare"], rows)
+    spread = max(ratios_) / min(ratios_)
+    text += (f"\n\n{shape}; {steps} steps, the first {warmup} left out; tokens = rows x seq_len. Steady tokens/s "
+             f"aggregates the windows after warm-up; the last column compares each run's fastest {every}-step "
+             "window (less sensitive to bursts of load from other processes on the machine). "
+             f"Spread of the per-pair ratios: {spread:.2f}x. The recipe adds real data loading (packed rows "
+             "with position_ids, so attention is block-causal), a token-weighted loss with two all-reduces, "
+             "grad clipping, a preemption all-reduce and metrics per step; the bare loop reuses one random batch.")
+    return {"title": "Framework overhead: recipe vs bare loop", "table": text,
+            "ratios": [ratio("overhead: recipe / bare loop tokens/s", median(ratios_), 0.97),
+                       ratio("overhead: best window, recipe / bare", median(best), 0.97)],
+            "raw": {"recipe_tokens_per_sec": recipe, "bare_tokens_per_sec": bare, "ratios": ratios_,
+                    "best_window_ratios": best, "steps": steps, "warmup": warmup, "log_every": every,
+                    "config": str(cfg.relative_to(REPO))}}
+
+
+# -- 2. vs the HF Trainer --------------------------------------------------------------------------
+
+def bench_trainer(ctx: Ctx) -> dict:
+    steps, warmup, window, pairs = (6, 2, 2, 1) if ctx.quick else (20, 8, 4, 2)
+    work = ctx.dir("trainer")
+    cfg = write_config(work / "chat.yaml", DEMO, {"data": {"path": "data/demo/chat.jsonl", "format": "chat",
+                                                            "packing": True},
+                                                   "parallel": {"strategy": "ddp"}})
+    ours, hf, hf_info, ratios_, our_tok, hf_tok, best = [], [], {}, [], [], [], []
+    for i in range(pairs):
+        out = work / f"recipe_{i}"
+        torchrun([RECIPE, "--config", cfg, f"output_dir={out}", f"train.max_steps={steps}", "log.every_steps=1",
+                  "log.progress=false", "checkpoint.resume=never"], timeout=TIMEOUT, log=work / f"recipe_{i}.log")
+        records = train_records(out)
+        rate, tokens, seconds = useful_tokens_per_sec(records, warmup)
+        a_best = best_window_rate([r["elapsed_s"] for r in records], [r["trained_tokens"] for r in records],
+                                  warmup, window)
+        res = work / f"hf_{i}.json"
+        torchrun([BENCH / "hf_trainer.py", "--config", cfg, "--steps", steps, "--warmup", warmup,
+                  "--output-dir", work / f"hf_{i}", "--out", res], timeout=TIMEOUT, log=work / f"hf_{i}.log",
+                 env={"HF_DATASETS_CACHE": str(work / "hf_cache")})
+        hf_info = json.loads(res.read_text())
+        ours.append(rate)
+        hf.append(hf_info["useful_tokens_per_sec"])
+        our_tok.append(tokens / (steps - warmup))
+        hf_tok.append(hf_info["trained_tokens"] / (steps - warmup))
+        ratios_.append(rate / hf_info["useful_tokens_per_sec"])
+        best.append(a_best / best_window_rate(hf_info["step_end_s"], hf_info["step_trained_tokens"], warmup, window))
+    rows = [[f"pair {i + 1}", f"{a:,.0f}", f"{b:,.0f}", f"{a / b:.2f}", f"{r:.2f}"]
+            for i, (a, b, r) in enumerate(zip(ours, hf, best))]
+    rows.append(["**median**", f"{median(ours):,.0f}", f"{median(hf):,.0f}", f"**{median(ratios_):.2f}**",
+                 f"{median(best):.2f}"])
+    pad = 1 - hf_info["real_tokens"] / hf_info["tokens"]
+    text = table(["run (A B order)", "recipe useful tokens/s", "HF Trainer useful tokens/s", "recipe / Trainer",
+                  f"best {window}-step window, recipe / Trainer"], rows)
+    text += (f"\n\nUseful = label positions that carry a loss (assistant turns), all ranks. Per step (2 ranks x "
+             f"micro-batch 8): recipe {median(our_tok):,.0f} trained tokens in 8 packed rows of 256 per rank; "
+             f"Trainer {median(hf_tok):,.0f} in 8 padded rows per rank ({pad:.0%} of its positions are padding). "
+             f"What the Trainer ran: {hf_info['wrapper']} over {hf_info['backend']} "
+             f"({hf_info['distributed_type']}; on CPU accelerate ignores FSDP settings, so DDP), "
+             f"find_unused_parameters={hf_info['find_unused_parameters']} (its default), "
+             "DataCollatorForSeq2Seq(padding=True), fp32. The recipe ran DDP too (parallel.strategy=ddp), "
+             f"data.format=chat, data.packing=true. {steps} steps, the first {warmup} left out; time from "
+             "rank 0 at the end of each step (the recipe's elapsed_s, a Trainer callback's on_step_end). "
+             f"Spread of the per-pair ratios: {max(ratios_) / min(ratios_):.2f}x.")
+    return {"title": "Useful tokens/s vs the HF Trainer (chat SFT)", "table": text,
+            "ratios": [ratio("trainer: recipe / HF Trainer useful tokens/s", median(ratios_), 1.3),
+                       ratio("trainer: best window, recipe / HF Trainer", median(best), 1.3)],
+            "raw": {"recipe_useful_tokens_per_sec": ours, "hf_useful_tokens_per_sec": hf, "ratios": ratios_,
+                    "best_window_ratios": best,
+                    "hf": hf_info, "steps": steps, "warmup": warmup}}
+
+
+# -- 3. memory -------------------------------------------------------------------------------------
+
+MEM_SHAPE = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 12,
+             "num_key_value_heads": 12, "vocab_size": 32000, "tie_word_embeddings": True,
+             "max_position_embeddings": 2048}
+MEM_SHAPE_QUICK = {**MEM_SHAPE, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 4}
+
+
+def bench_memory(ctx: Ctx) -> dict:
+    work = ctx.dir("memory")
+    shape = MEM_SHAPE_QUICK if ctx.quick else MEM_SHAPE
+    model_dir = work / "model"
+    out, _ = run([sys.executable, BENCH / "memory_probe.py", "--export", model_dir, "--shape", json.dumps(shape)],
+                 timeout=TIMEOUT)
+    exported = json.loads(out.strip().splitlines()[-1])
+    weights = exported["bytes"]
+    per = {}
+    for strategy in ("ddp", "fsdp", "fsdp2"):
+        res = work / f"{strategy}.json"
+        torchrun([BENCH / "memory_probe.py", "--model", model_dir, "--strategy", strategy, "--out", res],
+                 timeout=TIMEOUT, log=work / f"{strategy}.log")
+        per[strategy] = json.loads(res.read_text())["ranks"]
+    state = {s: max(r["params_bytes"] + r["grads_bytes"] + r["optim_bytes"] for r in ranks) for s, ranks in per.items()}
+    rows = []
+    for s, ranks in per.items():
+        r0 = ranks[0]
+        rows.append([s, fmt_bytes(r0["params_bytes"]), fmt_bytes(r0["grads_bytes"]), fmt_bytes(r0["optim_bytes"]),
+                     fmt_bytes(state[s]), f"{state[s] / state['ddp']:.2f}",
+                     " / ".join(fmt_bytes(r["peak_rss_bytes"]) for r in ranks),
+                     f"{max(r['peak_rss_bytes'] for r in ranks) / max(r['peak_rss_bytes'] for r in per['ddp']):.2f}"])
+    text = table(["strategy", "params / rank", "grads / rank", "AdamW state / rank", "training state / rank",
+                  "vs ddp", "peak RSS rank 0 / rank 1", "peak RSS vs ddp"], rows)
+    n = per["ddp"][0]["n_params"]
+    text += (f"\n\n{n / 1e6:.1f}M-parameter Llama ({shape['hidden_size']} hidden, {shape['num_hidden_layers']} layers, "
+             f"vocab {shape['vocab_size']}, tied embeddings), fp32, 2 ranks on CPU, loaded from a safetensors "
+             "directory, one AdamW step (micro-batch 1 x 128 tokens). Bytes are sums of this rank's local "
+             "tensors (FSDP2: DTensor local shards; FSDP1: flat parameters). Peak RSS (getrusage) includes "
+             "the ~0.35 GiB of imports, the loading peak, activations, all-gather buffers and allocator slack.")
+    load_rows, load_ratios = [], []
+    for s, ranks in per.items():
+        total = sum(r["load_peak_bytes"] for r in ranks)
+        anon = sum(r["load_anon_peak_bytes"] for r in ranks)
+        shards = sum(r["params_bytes_after_load"] for r in ranks)
+        load_rows.append([s, " / ".join(fmt_bytes(r["load_peak_bytes"]) for r in ranks), f"{total / weights:.2f}",
+                          f"{anon / weights:.2f}", fmt_bytes(shards), f"{(total - shards) / weights:.2f}"])
+        if s in ("fsdp", "fsdp2"):  # ddp keeps a full replica per rank by design: 2 copies at least
+            load_ratios += [ratio(f"memory: loading {s}, host RAM incl. shards / one copy", total / weights, 1.3,
+                                  "<=", "VmHWM increase summed over both ranks; on CPU the shards live in host RAM"),
+                            ratio(f"memory: loading {s}, host RAM beyond shards / one copy",
+                                  (total - shards) / weights, 1.3, "<=",
+                                  "what a GPU run would hold in host RAM (its shards are on the GPUs)")]
+    text += "\n\nLoading (" + fmt_bytes(weights) + " of safetensors weights = one copy):\n\n" + table(
+        ["strategy", "VmHWM increase rank 0 / rank 1", "sum / one copy", "anon-only sum / one copy",
+         "loaded params, both ranks", "(sum - loaded params) / one copy"], load_rows)
+    text += ("\n\nVmHWM is reset just before parallelize + load_weights and read after; the increase is over the "
+             "RSS just before. It counts the safetensors file pages rank 0 maps (page cache, reclaimable), "
+             "which RssAnon (sampled every 2 ms) leaves out. On CPU the loaded parameters themselves live in "
+             "host RAM (one copy over both ranks with fsdp/fsdp2, one per rank with ddp).")
+    return {"title": "Memory per rank (ddp / fsdp / fsdp2)", "table": text,
+            "ratios": [ratio("memory: fsdp training state / ddp", state["fsdp"] / state["ddp"], 0.6, "<="),
+                       ratio("memory: fsdp2 training state / ddp", state["fsdp2"] / state["ddp"], 0.6, "<="),
+                       *load_ratios],
+            "raw": {"per_rank": per, "weights_bytes": weights, "n_params": n, "shape": shape}}
+
+
+# -- 4. data pipeline ------------------------------------------------------------------------------
+
+def bench_data(ctx: Ctx) -> dict:
+    work = ctx.dir("data")
+    scale, stream_rows = (1, 200) if ctx.quick else (10, 3000)
+    if ctx.demo_tokens_per_sec is None:  # --only data: a short demo run of its own
+        out = work / "demo"
+        steps, warmup = (6, 2) if ctx.quick else (20, 10)
+        torchrun([RECIPE, "--config", DEMO, f"output_dir={out}", f"train.max_steps={steps}", "log.every_steps=2",
+                  "log.progress=false", "checkpoint.resume=never"], timeout=TIMEOUT, log=work / "demo.log")
+        ctx.demo_tokens_per_sec = steady_tokens_per_sec(train_records(out), warmup)
+        ctx.demo_source = f"a {steps}-step demo run of its own (first {warmup} steps left out)"
+    cache = work / "hf_cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    cache.mkdir()
+    res = work / "data.json"
+    run([sys.executable, BENCH / "data_probe.py", "--src", "data/demo/train.jsonl", "--scale", scale,
+         "--workdir", work / "corpus", "--streaming-rows", stream_rows, "--out", res], timeout=TIMEOUT,
+        env={"HF_DATASETS_CACHE": str(cache)}, log=work / "data.log")
+    d = json.loads(res.read_text())
+    train_tps = ctx.demo_tokens_per_sec
+    build_ratio = d["row_tokens_per_sec"] / train_tps
+    stream_ratio = d["stream_row_tokens_per_sec"] / (train_tps / 2)
+    rows = [["map-style build (load + tokenize + pack), 1 process", f"{d['row_tokens_per_sec']:,.0f}",
+             f"{train_tps:,.0f} (2 ranks)", f"**{build_ratio:.1f}**"],
+            ["streaming rows (tokenize + pack on the fly), 1 rank", f"{d['stream_row_tokens_per_sec']:,.0f}",
+             f"{train_tps / 2:,.0f} (per rank)", f"{stream_ratio:.1f}"]]
+    text = table(["pipeline", "tokens/s", "demo training consumes, tokens/s", "ratio"], rows)
+    text += (f"\n\n{d['records']:,} documents ({d['corpus_bytes'] / 2**20:.1f} MiB: data/demo/train.jsonl x {scale}), "
+             f"format text, seq_len {d['seq_len']}, packing, cold datasets cache: {d['rows']:,} rows "
+             f"({d['real_tokens']:,} real tokens) in {d['build_s']:.1f} s. Streaming: the first "
+             f"{d['stream_rows']:,} rows (shuffle buffer 1000). Tokens are rows x seq_len on both sides. "
+             f"Consumption: the recipe's steady tokens/s on configs/demo.yaml, from {ctx.demo_source}. "
+             "Streaming tokenizes in the training loop of every rank (not overlapped with compute), so it "
+             f"costs about 1/{stream_ratio:.0f} of the step time.")
+    return {"title": "Data pipeline vs training consumption", "table": text,
+            "ratios": [ratio("data: build tokens/s / demo training tokens/s", build_ratio, 10.0),
+                       ratio("data: streaming per rank / training per rank", stream_ratio, None)],
+            "raw": {**d, "demo_tokens_per_sec": train_tps}}
+
+
+# -- 5. checkpoint ---------------------------------------------------------------------------------
+
+CKPT_SHAPE = {**MEM_SHAPE, "tie_word_embeddings": False}
+CKPT_SHAPE_QUICK = {**MEM_SHAPE_QUICK, "tie_word_embeddings": False}
+
+
+def dd(path: Path, mib: int, streams: int = 1) -> tuple[float, float]:
+    """(write seconds with fsync, read seconds) of `mib` MiB in `streams` parallel dd's in path's directory."""
+    each = max(1, mib // streams)
+    files = [path.with_name(f"{path.name}.{i}") for i in range(streams)]
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen(["dd", "if=/dev/zero", f"of={f}", "bs=1M", f"count={each}", "conv=fsync"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for f in files]
+    if any(p.wait() for p in procs):
+        raise BenchError("dd write failed")
+    write_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen(["dd", f"if={f}", "of=/dev/null", "bs=1M"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL) for f in files]
+    if any(p.wait() for p in procs):
+        raise BenchError("dd read failed")
+    read_s = time.perf_counter() - t0
+    for f in files:
+        f.unlink()
+    return write_s, read_s
+
+
+def bench_checkpoint(ctx: Ctx) -> dict:
+    work = ctx.dir("checkpoint")
+    shape = CKPT_SHAPE_QUICK if ctx.quick else CKPT_SHAPE
+    res = work / "ckpt.json"
+    torchrun([BENCH / "ckpt_probe.py", "--dir", work, "--shape", json.dumps(shape), "--out", res], timeout=TIMEOUT,
+             log=work / "ckpt.log")
+    c = json.loads(res.read_text())
+    size = c["checkpoint_bytes"]
+    mib = math.ceil(size / 2**20)
+    target = work / "run" / "checkpoints" / "ddfile"
+    one = [dd(target, mib, 1) for _ in range(2)]
+    two = dd(target, mib, 2)
+    dd_w, dd_r = median([w for w, _ in one]), median([r for _, r in one])
+    mb = size / 1e6
+    exp_mb = c["export_bytes"] / 1e6
+    rows = [["DCP save (CheckpointManager.save, 2 ranks, fsync)", f"{c['save_s']:.2f}", f"{mb / c['save_s']:,.0f}",
+             f"{(mb / c['save_s']) / (mb / dd_w):.2f}"],
+            ["`dd` write, same size, conv=fsync (1 stream)", f"{dd_w:.2f}", f"{mb / dd_w:,.0f}", "1.00"],
+            ["`dd` write, 2 parallel streams of half", f"{two[0]:.2f}", f"{mb / two[0]:,.0f}",
+             f"{dd_w / two[0]:.2f}"],
+            ["DCP load (resume, page cache warm)", f"{c['load_s']:.2f}", f"{mb / c['load_s']:,.0f}",
+             f"{(mb / c['load_s']) / (mb / dd_r):.2f} (vs dd read)"],
+            ["`dd` read, same file size (page cache warm)", f"{dd_r:.2f}", f"{mb / dd_r:,.0f}", ""],
+            ["HF export (export_hf: gather to rank 0, safetensors fp32)", f"{c['export_s']:.2f}",
+             f"{exp_mb / c['export_s']:,.0f}", f"{(exp_mb / c['export_s']) / (mb / dd_w):.2f}"]]
+    text = table(["operation", "seconds", "MB/s", "MB/s vs dd write"], rows)
+    text += (f"\n\n{c['n_params'] / 1e6:.1f}M-parameter Llama (untied embeddings), {c['strategy']}, 2 ranks; "
+             f"checkpoint {size / 1e6:,.0f} MB (fp32 weights + AdamW moments), export {exp_mb:,.0f} MB. "
+             "Save includes the rename publish and the small JSON/config files; load includes "
+             "set_state_dict. `dd` runs right after, in the checkpoints directory (median of 2).")
+    return {"title": "Checkpoint save / load / export vs dd", "table": text,
+            "ratios": [ratio("checkpoint: DCP save MB/s / dd write MB/s", (mb / c["save_s"]) / (mb / dd_w)),
+                       ratio("checkpoint: DCP load MB/s / dd read MB/s", (mb / c["load_s"]) / (mb / dd_r)),
+                       ratio("checkpoint: HF export MB/s / dd write MB/s", (exp_mb / c["export_s"]) / (mb / dd_w))],
+            "raw": {**c, "dd_write_s": [w for w, _ in one], "dd_read_s": [r for _, r in one],
+                    "dd_write_2streams_s": two[0], "dd_mib": mib}}
+
+
+BENCHES = {"overhead": bench_overhead, "trainer": bench_trainer, "memory": bench_memory, "data": bench_data,
+           "checkpoint": bench_checkpoint}
+
+
+# -- report ----------------------------------------------------------------------------------------
+
+def machine() -> dict:
+    info = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+        mem = Path("/proc/meminfo").read_text().split()
+        info["mem_gib"] = round(int(mem[1]) / 2**20, 1)
+    except OSError:
+        pass
+    try:
+        import importlib.metadata as md
+
+        info.update({k: md.version(k) for k in ("torch", "transformers", "accelerate", "datasets")})
+    except Exception:
+        pass
+    return info
+
+
+def fmt_ratio(r: dict) -> str:
+    return "n/a" if r["value"] is None else f"{r['value']:.3g}x"
+
+
+def summary(results: dict) -> str:
+    rows = []
+    for name, res in results.items():
+        if "error" in res:
+            rows.append([name, "failed", "", "", res["error"].splitlines()[0][:100]])
+            continue
+        for r in res["ratios"]:
+            target = "" if r["target"] is None else f"{r['op']} {r['target']}x"
+            met = {True: "met", False: "**not met**", None: "(no target)"}[r["met"]]
+            rows.append([r["name"], fmt_ratio(r), target, met, r.get("note", "")])
+    return table(["ratio", "measured", "target", "", "note"], rows)
+
+
+def plot(results: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    items = [r for res in results.values() if "ratios" in res for r in res["ratios"] if r["value"]]
+    if not items:
+        return
+    fig, ax = plt.subplots(figsize=(10, 0.55 * len(items) + 1.6))
+    ys = list(range(len(items)))[::-1]
+    colors = {True: "#2e7d32", False: "#c62828", None: "#78909c"}
+    ax.barh(ys, [r["value"] for r in items], color=[colors[r["met"]] for r in items], height=0.6)
+    for y, r in zip(ys, items):
+        ax.text(max(r["value"], r["target"] or 0) * 1.06, y, fmt_ratio(r), va="center", fontsize=8)
+        if r["target"] is not None:
+            ax.plot([r["target"]] * 2, [y - 0.4, y + 0.4], color="black", linewidth=2)
+    ax.axvline(1.0, color="#999", linewidth=0.8, linestyle=":")
+    ax.set_yticks(ys, [r["name"] for r in items], fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlim(right=max(max(r["value"], r["target"] or 0) for r in items) * 3)
+    ax.set_xlabel("ratio (log scale); black tick = target; green met, red not met, grey no target")
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()),
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog="\n".join(
+                                    __doc__.splitlines()[5:]))
+    p.add_argument("--quick", action="store_true", help="tiny versions of every benchmark (a smoke run)")
+    p.add_argument("--only", nargs="+", choices=NAMES, metavar="NAME", help=f"run only these: {', '.join(NAMES)}")
+    p.add_argument("--results-dir", type=Path, default=BENCH / "results")
+    p.add_argument("--keep", action="store_true", help="keep the working directory (logs, runs) in outputs/")
+    args = p.parse_args(argv)
+    names = [n for n in NAMES if not args.only or n in args.only]
+    (REPO / "outputs").mkdir(exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench-", dir=REPO / "outputs"))
+    ctx = Ctx(args.quick, work)
+    started = time.time()
+    results: dict = {}
+    load = [os.getloadavg()[0]]
+    try:
+        for name in names:
+            t0 = time.perf_counter()
+            print(f"\n## {name}{' (quick)' if args.quick else ''}\n", flush=True)
+            try:
+                res = BENCHES[name](ctx)
+            except Exception as e:  # one failed benchmark is reported; the others still run
+                import traceback
+
+                res = {"title": name, "error": f"{type(e).__name__}: {e}"}
+                print(f"FAILED: {res['error'][-3000:]}", flush=True)
+                if not isinstance(e, BenchError):
+                    traceback.print_exc()
+            res["seconds"] = round(time.perf_counter() - t0, 1)
+            res["finished"] = dt.datetime.now().isoformat(timespec="seconds")
+            load.append(os.getloadavg()[0])
+            if "table" in res:
+                print(f"### {res['title']}\n\n{res['table']}\n\n({res['seconds']:.0f} s)", flush=True)
+            results[name] = res
+    finally:
+        if args.keep:
+            print(f"\nworking directory kept: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+    date = dt.date.today().isoformat()
+    stem = f"{date}-quick" if args.quick else date
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    json_path = args.results_dir / f"{stem}.json"
+    doc = json.loads(json_path.read_text()) if json_path.is_file() else {"benchmarks": {}}
+    doc["benchmarks"].update(results)
+    doc.update({"date": date, "quick": args.quick, "machine": machine(),
+                "command": "python bench/run.py" + (" --quick" if args.quick else "") +
+                           (f" --only {' '.join(args.only)}" if args.only else ""),
+                "last_run": {"benchmarks": names, "seconds": round(time.time() - started, 1),
+                             "load_average_1min": [round(x, 2) for x in load]}})
+    json_path.write_text(json.dumps(doc, indent=1))
+    png = json_path.with_suffix(".png")
+    plot(doc["benchmarks"], png, f"llmtrain bench {stem}: {doc['machine'].get('cpus')} CPU cores "
+                                 f"({doc['machine'].get('cpu', '?')}), ratios measured side by side")
+    print(f"\n## Summary ({time.time() - started:.0f} s; 1-min load average {' -> '.join(f'{x:.1f}' for x in load)})\n")
+    print(summary(results))
+    print(f"\nwrote {json_path.relative_to(REPO) if json_path.is_relative_to(REPO) else json_path} and {png.name}")
+    return 1 if any("error" in r for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Diagnostic for the overhead benchmark: where does the recipe's step time go? Not part of run.py.
+
+    torchrun --standalone --nproc_per_node=2 bench/step_interleave.py [--config configs/demo.yaml] [--rounds 20]
+
+One process group, one model (built by llmtrain as the recipe builds it), and four kinds of step
+alternated step by step, so that load from other processes hits all of them alike (separate
+launches on a shared machine differ by more than the effect measured):
+
+  recipe     the recipe's loop body: next batch from llmtrain.data (packed rows with position_ids),
+             recipes/finetune.py train_step (token-weighted loss, all-reduces, clipping, AdamW), the
+             per-step preemption all-reduce
+  recipe, arange positions   the same with position_ids 0..seq_len-1 (no block-causal mask)
+  bare       model(input_ids, labels).loss.backward(); opt.step(); zero_grad() on a random batch
+  bare + packed positions    the bare step on a packed batch with its position_ids
+
+Each step is timed on rank 0 between barriers; medians of --rounds rounds are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", default=str(REPO / "configs" / "demo.yaml"))
+    p.add_argument("--rounds", type=int, default=20)
+    args = p.parse_args()
+
+    from llmtrain.step import train_step
+    from llmtrain import data, distributed, model as model_lib, optim, parallelize
+    from llmtrain.config import load_config
+
+    cfg = load_config(args.config, ["distributed.preflight=false"])
+    env = distributed.init(cfg.distributed)
+    tok = model_lib.load_tokenizer(cfg.tokenizer.path, False)
+    mc = model_lib.load_model_config(cfg.model, tok)
+    model = model_lib.build_meta_model(mc, cfg.model)
+    no_decay = optim.no_decay_names(model)
+    plan = parallelize.resolve(cfg.parallel, sum(p.numel() for p in model.parameters()), env.world_size, env.device)
+    model = parallelize.parallelize(model, cfg.parallel, plan, distributed.build_mesh(env, 1), env.device)
+    model_lib.load_weights(model, model_lib.full_state_dict_rank0(cfg.model, mc, cfg.train.seed), env.device)
+    model.train()
+    opt = optim.build_optimizer(model, cfg.train, cfg.train.lr, env.device, no_decay)
+    built = data.build(cfg.data, tok, cfg.train.seed, env.is_main, env.rank, env.world_size)
+    micro, seq = cfg.train.micro_batch_size, cfg.data.seq_len
+    steps = data.make_steps(built, micro, cfg.train.grad_accum_steps, env.world_size, env.rank, cfg.train.seed,
+                            env.device, {})
+    packed = next(steps)[0]
+    rand = torch.randint(0, len(tok), (micro, seq), generator=torch.Generator().manual_seed(env.rank))
+    arange = torch.arange(seq).expand(micro, -1)
+
+    def recipe_step(positions=None):
+        batches = next(steps)
+        if positions is not None:
+            batches = [{**b, "position_ids": positions} for b in batches]
+        train_step(model, plan, batches, opt, None, cfg.train.max_grad_norm, env.device, env.world_size)
+        distributed.any_rank(False, False, device=env.device)
+
+    def bare_step(ids, positions=None):
+        model(input_ids=ids, position_ids=positions, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    kinds = {"recipe": recipe_step, "recipe, arange positions": lambda: recipe_step(arange),
+             "bare": lambda: bare_step(rand), "bare + packed positions":
+             lambda: bare_step(packed["input_ids"], packed["position_ids"])}
+    times = {k: [] for k in kinds}
+    for fn in kinds.values():  # warm-up
+        fn()
+        fn()
+    for _ in range(args.rounds):
+        for name, fn in kinds.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            dist.barrier()
+            times[name].append(time.perf_counter() - t0)
+    if env.is_main:
+        base = statistics.median(times["bare"])
+        print(f"{cfg.parallel.strategy}, {env.world_size} ranks, micro-batch {micro} x {seq}, {args.rounds} rounds")
+        print("| step | median ms | min ms | bare / this (median) |\n| --- | ---: | ---: | ---: |")
+        for name, ts in times.items():
+            med = statistics.median(ts)
+            print(f"| {name} | {med * 1e3:.0f} | {min(ts) * 1e3:.0f} | {base / med:.3f} |")
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    os._exit(0)
