@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import math
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,8 +66,11 @@ class Stats:
     skipped: int = 0
     reasons: dict[str, int] = field(default_factory=dict)
     truncated: int = 0
+    streaming: bool = False
 
     def summary(self) -> str:
+        if self.streaming:  # nothing is read ahead; bad records are counted as they stream past
+            return "streaming (tokenized and packed on the fly)"
         text = f"{self.num_examples} examples"
         if self.skipped:
             top = ", ".join(f"{r} ({n})" for r, n in sorted(self.reasons.items(), key=lambda x: -x[1])[:3])
@@ -169,7 +173,7 @@ def build(section: DataConfig, tokenizer, seed: int, is_main: bool = True, rank:
 def _build(section: DataConfig, tokenizer, seed: int, rank: int, world_size: int) -> Built:
     from datasets import interleave_datasets
 
-    stats = Stats()
+    stats = Stats(streaming=section.streaming)
     val = None
     if section.streaming:
         train = StreamingRows(section, tokenizer, seed, rank, world_size)
@@ -217,7 +221,6 @@ class StreamingRows:
             stream = streams[0]
         self.stream = split_dataset_by_node(stream, rank=rank, world_size=world_size).shuffle(
             seed=seed, buffer_size=section.shuffle_buffer)
-        self.skipped = 0
 
     def rows(self, epoch: int) -> Iterator[dict[str, list[int]]]:
         self.stream.set_epoch(epoch)  # a new shuffle every epoch
@@ -229,7 +232,7 @@ class StreamingRows:
             except BadRecord as e:
                 if self.section.strict:
                     raise ConfigError(f"{e} (data.strict=true)") from None
-                self.skipped += 1
+                warnings.warn(f"skipping bad records: {e}")  # once per reason (warnings dedups)
                 continue
             builder.add(ids, labels, fmt == "text" and self.section.packing)
             if not self.section.packing:
