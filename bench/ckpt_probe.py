@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-TOKENIZER = Path(__file__).resolve().parents[1] / "assets" / "tokenizer"
+from common import meta_model  # noqa: E402
+
 
 
 def du(path: Path) -> int:
@@ -40,18 +41,12 @@ def main() -> None:
     args = p.parse_args()
 
     from llmtrain import checkpoint, distributed, model as model_lib, optim, parallelize
-    from llmtrain.config import CheckpointConfig, DistributedConfig, ModelConfig, ParallelConfig, TrainConfig
+    from llmtrain.config import CheckpointConfig, DistributedConfig, ModelConfig, TrainConfig
     from llmtrain.loss import token_loss_sum
 
     env = distributed.init(DistributedConfig(preflight=False))
-    tokenizer = model_lib.load_tokenizer(str(TOKENIZER), False)
     section = ModelConfig(config=json.loads(args.shape))
-    model_config = model_lib.load_model_config(section, tokenizer)
-    model = model_lib.build_meta_model(model_config, section)
-    n_params = sum(p.numel() for p in model.parameters())
-    no_decay = optim.no_decay_names(model)
-    pcfg = ParallelConfig(strategy=args.strategy)
-    plan = parallelize.resolve(pcfg, n_params, env.world_size, env.device)
+    tokenizer, model_config, model, n_params, no_decay, pcfg, plan = meta_model(section, args.strategy, env)
     model = parallelize.parallelize(model, pcfg, plan, distributed.build_mesh(env, 1), env.device)
     model_lib.load_weights(model, model_lib.full_state_dict_rank0(section, model_config, 0), env.device)
     tcfg = TrainConfig()

@@ -133,3 +133,18 @@ def reset_peak_rss() -> bool:
 
 def fmt_bytes(n: float) -> str:
     return f"{n / 2**20:,.0f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
+def meta_model(section, strategy: str, env):
+    """The recipe's model set-up up to (not including) parallelize, for the probes:
+    (tokenizer, model_config, meta model, parameter count, no-decay names, ParallelConfig, Plan)."""
+    from llmtrain import model as model_lib, optim, parallelize
+    from llmtrain.config import ParallelConfig
+
+    tokenizer = model_lib.load_tokenizer(str(REPO / "assets" / "tokenizer"), False)
+    model_config = model_lib.load_model_config(section, tokenizer)
+    model = model_lib.build_meta_model(model_config, section)
+    n_params = sum(p.numel() for p in model.parameters())
+    pcfg = ParallelConfig(strategy=strategy)
+    plan = parallelize.resolve(pcfg, n_params, env.world_size, env.device)
+    return tokenizer, model_config, model, n_params, optim.no_decay_names(model), pcfg, plan

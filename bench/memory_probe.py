@@ -32,9 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from common import proc_status, reset_peak_rss  # noqa: E402
-
-TOKENIZER = Path(__file__).resolve().parents[1] / "assets" / "tokenizer"
+from common import meta_model, proc_status, reset_peak_rss  # noqa: E402
 
 
 def export(out: Path, shape: dict, seed: int) -> None:
@@ -102,18 +100,12 @@ def probe(args) -> None:
     import torch.distributed as dist
 
     from llmtrain import distributed, model as model_lib, optim, parallelize
-    from llmtrain.config import DistributedConfig, ModelConfig, ParallelConfig, TrainConfig
+    from llmtrain.config import DistributedConfig, ModelConfig, TrainConfig
     from llmtrain.loss import token_loss_sum
 
     env = distributed.init(DistributedConfig(preflight=False))
-    tokenizer = model_lib.load_tokenizer(str(TOKENIZER), False)
     section = ModelConfig(path=str(args.model))
-    model_config = model_lib.load_model_config(section, tokenizer)
-    model = model_lib.build_meta_model(model_config, section)
-    n_params = sum(p.numel() for p in model.parameters())
-    no_decay = optim.no_decay_names(model)
-    pcfg = ParallelConfig(strategy=args.strategy)
-    plan = parallelize.resolve(pcfg, n_params, env.world_size, env.device)
+    tokenizer, model_config, model, n_params, no_decay, pcfg, plan = meta_model(section, args.strategy, env)
     mesh = distributed.build_mesh(env, 1)
     dist.barrier()
 
