@@ -4,7 +4,7 @@
     torchrun --standalone --nproc_per_node=2 bench/memory_probe.py --model DIR --strategy fsdp2 --out R.json
 
 The second form goes through the recipe's own pieces (llmtrain.model / parallelize / optim / loss):
-meta model -> parallelize -> load_weights from DIR (rank 0 reads, every rank receives its part) ->
+meta model -> parallelize -> load_weights from DIR (each rank reads only its slices) ->
 AdamW -> one training step. Per rank it reports:
 
   load_peak_bytes    VmHWM during parallelize + load_weights minus the RSS just before (VmHWM is
@@ -114,7 +114,7 @@ def probe(args) -> None:
     hwm_reset = reset_peak_rss()
     with AnonPeak() as anon:
         model = parallelize.parallelize(model, pcfg, plan, mesh, env.device)
-        model_lib.load_weights(model, model_lib.full_state_dict_rank0(section, model_config, 0), env.device)
+        model_lib.load_weights(model, section, model_config, 0, env.device)
     after = proc_status()
     dist.barrier()
     params_loaded, _, _ = training_state_bytes(model, args.strategy)

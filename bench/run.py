@@ -238,20 +238,22 @@ def bench_memory(ctx: Ctx) -> dict:
         anon = sum(r["load_anon_peak_bytes"] for r in ranks)
         shards = sum(r["params_bytes_after_load"] for r in ranks)
         load_rows.append([s, " / ".join(fmt_bytes(r["load_peak_bytes"]) for r in ranks), f"{total / weights:.2f}",
-                          f"{anon / weights:.2f}", fmt_bytes(shards), f"{(total - shards) / weights:.2f}"])
+                          f"{anon / weights:.2f}", fmt_bytes(shards), f"{(anon - shards) / weights:.2f}"])
         if s in ("fsdp", "fsdp2"):  # ddp keeps a full replica per rank by design: 2 copies at least
-            load_ratios += [ratio(f"memory: loading {s}, host RAM incl. shards / one copy", total / weights, 1.3,
-                                  "<=", "VmHWM increase summed over both ranks; on CPU the shards live in host RAM"),
-                            ratio(f"memory: loading {s}, host RAM beyond shards / one copy",
-                                  (total - shards) / weights, 1.3, "<=",
+            load_ratios += [ratio(f"memory: loading {s}, private host RAM incl. shards / one copy", anon / weights,
+                                  1.3, "<=", "RssAnon peak increase summed over both ranks; on CPU the shards "
+                                  "live in host RAM"),
+                            ratio(f"memory: loading {s}, private host RAM beyond shards / one copy",
+                                  (anon - shards) / weights, 1.3, "<=",
                                   "what a GPU run would hold in host RAM (its shards are on the GPUs)")]
     text += "\n\nLoading (" + fmt_bytes(weights) + " of safetensors weights = one copy):\n\n" + table(
-        ["strategy", "VmHWM increase rank 0 / rank 1", "sum / one copy", "anon-only sum / one copy",
-         "loaded params, both ranks", "(sum - loaded params) / one copy"], load_rows)
+        ["strategy", "VmHWM increase rank 0 / rank 1", "VmHWM sum / one copy", "RssAnon sum / one copy",
+         "loaded params, both ranks", "(RssAnon sum - loaded params) / one copy"], load_rows)
     text += ("\n\nVmHWM is reset just before parallelize + load_weights and read after; the increase is over the "
-             "RSS just before. It counts the safetensors file pages rank 0 maps (page cache, reclaimable), "
-             "which RssAnon (sampled every 2 ms) leaves out. On CPU the loaded parameters themselves live in "
-             "host RAM (one copy over both ranks with fsdp/fsdp2, one per rank with ddp).")
+             "RSS just before. It counts the safetensors file pages each rank maps to read its slices: page cache, "
+             "shared by the ranks and reclaimable, so the sum counts it once per rank. RssAnon (sampled every "
+             "2 ms) is the private memory and the figure the targets use. On CPU the loaded parameters "
+             "themselves live in host RAM (one copy over both ranks with fsdp/fsdp2, one per rank with ddp).")
     return {"title": "Memory per rank (ddp / fsdp / fsdp2)", "table": text,
             "ratios": [ratio("memory: fsdp training state / ddp", state["fsdp"] / state["ddp"], 0.6, "<="),
                        ratio("memory: fsdp2 training state / ddp", state["fsdp2"] / state["ddp"], 0.6, "<="),

@@ -3,19 +3,27 @@ does not multiply host RAM by the number of ranks, and recomputation of non-pers
 
 from __future__ import annotations
 
+import ctypes
 import json
+import re
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.tensor import DTensor, distribute_tensor
+from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PretrainedConfig
 
 from llmtrain.config import ConfigError, ModelConfig
 
 WEIGHTS_INDEX = "model.safetensors.index.json"
 WEIGHTS_FILE = "model.safetensors"
+WRAPPER_PARTS = re.compile(r"(^|\.)(module|_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)(?=\.)")
 
 
 def check_paths(section: ModelConfig, tokenizer_path: str | None) -> None:
@@ -88,49 +96,106 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, classes)]
 
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def clean_name(name: str) -> str:
+    """A parameter name without the segments DDP, FSDP1, checkpointing or compile insert."""
+    return WRAPPER_PARTS.sub("", name).lstrip(".")
 
+
+def _weight_files(path: Path) -> dict[str, Path]:
+    """{tensor name: safetensors file} for model.path, from the index or the file's header."""
     index = path / WEIGHTS_INDEX
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (path / WEIGHTS_FILE).is_file():
-        files = [WEIGHTS_FILE]
-    else:
-        raise ConfigError(f"model.path: {path} has no {WEIGHTS_FILE} or {WEIGHTS_INDEX} (safetensors only; "
-                          "pickled .bin weights are not loaded)")
-    state: dict[str, torch.Tensor] = {}
-    for name in files:
-        state.update(load_file(path / name))
-    return state
+        return {name: path / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    if (path / WEIGHTS_FILE).is_file():
+        with safe_open(path / WEIGHTS_FILE, framework="pt") as f:
+            return dict.fromkeys(f.keys(), path / WEIGHTS_FILE)
+    raise ConfigError(f"model.path: {path} has no {WEIGHTS_FILE} or {WEIGHTS_INDEX} (safetensors only; "
+                      "pickled .bin weights are not loaded)")
 
 
-def full_state_dict_rank0(model_section: ModelConfig, config: PretrainedConfig, seed: int) -> dict:
-    """Rank 0's full weights: read from model.path, or a seeded random init for model.config.
-    Other ranks return {} and receive only their shards in load_weights."""
-    if dist.get_rank() != 0:
-        return {}
-    if model_section.path is not None:
-        state = _read_safetensors(Path(model_section.path))
-    else:
-        torch.manual_seed(seed)
-        state = AutoModelForCausalLM.from_config(config, dtype=torch.float32).state_dict()
+def _random_init(config: PretrainedConfig, seed: int) -> dict[str, torch.Tensor]:
+    """model.config: the seeded init, made on rank 0 only (the same for any strategy and world size)."""
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).state_dict()
+
+
+def _load_slices(model: nn.Module, path: Path | None, config: PretrainedConfig, seed: int) -> None:
+    """fsdp2, ddp, none: fill the parameters (local DTensor shards or whole tensors) in place. From model.path
+    every rank reads only the slices its shards cover (DCP's HuggingFaceStorageReader); a random init is
+    sent from rank 0 tensor by tensor."""
+    state = get_model_state_dict(model)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # one tensor for both: loaded through the embedding
-    expected = set(build_meta_model(config, model_section).state_dict()) - set(state)
-    if config.tie_word_embeddings:
-        expected.discard("lm_head.weight")
-    if expected:
-        raise ConfigError(f"model.path: weights missing for {sorted(expected)[:5]} "
-                          f"({len(expected)} tensors); is this a {config.model_type} checkpoint?")
-    return state
+    if path is not None:
+        _check_complete(state, _weight_files(path), config)
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)))
+    else:
+        rank0 = dist.get_rank() == 0
+        full = _random_init(config, seed) if rank0 else {}
+        for name, target in state.items():
+            device = target.device_mesh.device_type if isinstance(target, DTensor) else target.device
+            src = full.pop(name).to(device) if rank0 else torch.empty(target.shape, dtype=target.dtype, device=device)
+            if isinstance(target, DTensor):
+                target.to_local().copy_(distribute_tensor(src, target.device_mesh, target.placements).to_local())
+            else:
+                dist.broadcast(src, src=0)
+                target.copy_(src)
+    set_model_state_dict(model, state, options=StateDictOptions(strict=False))
 
 
-def load_weights(model: nn.Module, full_state: dict, device: torch.device) -> None:
-    """Rank 0 holds the full state dict; every rank receives its part tensor by tensor."""
-    set_model_state_dict(model, full_state,
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False))
+def _load_fsdp1_units(model: nn.Module, path: Path | None, config: PretrainedConfig, seed: int) -> None:
+    """fsdp: one FSDP unit at a time is gathered (summon_full_params), filled with full tensors and written
+    back to the shards. FSDP1's own sharded load_state_dict would hold a whole copy of the model per rank."""
+    names = {p: clean_name(n) for n, p in model.named_parameters()}  # tied embeddings: named once
+    rank0 = dist.get_rank() == 0
+    if path is not None:
+        files = _weight_files(path)
+        _check_complete(names.values(), files, config)
+        handles = {file: safe_open(file, framework="pt") for file in set(files.values())}
+    else:
+        full = _random_init(config, seed) if rank0 else {}
+    for unit in FSDP.fsdp_modules(model):  # the root first, so that it is initialized as the root
+        nested = {p for sub in FSDP.fsdp_modules(unit) if sub is not unit for p in sub.parameters()}
+        with FSDP.summon_full_params(unit, recurse=False, writeback=True), torch.no_grad():
+            for p in unit.parameters():
+                if p in nested:
+                    continue
+                if path is not None:
+                    p.copy_(handles[files[names[p]]].get_tensor(names[p]))
+                else:
+                    src = full.pop(names[p]).to(p.device) if rank0 else torch.empty_like(p)
+                    dist.broadcast(src, src=0)
+                    p.copy_(src)
+        release_freed_memory()  # this unit's gathered copy
+
+
+def _check_complete(wanted, files: dict[str, Path], config: PretrainedConfig) -> None:
+    missing = set(wanted) - set(files)
+    if missing:
+        raise ConfigError(f"model.path: weights missing for {sorted(missing)[:5]} "
+                          f"({len(missing)} tensors); is this a {config.model_type} checkpoint?")
+
+
+def load_weights(model: nn.Module, section: ModelConfig, config: PretrainedConfig, seed: int,
+                 device: torch.device) -> None:
+    """Fill the parallelized (empty) model. Host RAM per rank is its shards plus one tensor (fsdp: one
+    unit) in flight: it does not grow with the number of ranks."""
+    path = Path(section.path) if section.path is not None else None
+    if isinstance(model, FSDP):
+        _load_fsdp1_units(model, path, config, seed)
+    else:
+        _load_slices(model, path, config, seed)
     init_buffers(model, device)
+    release_freed_memory()
+
+
+def release_freed_memory() -> None:
+    """FSDP1 materializes and unshards unit by unit; glibc keeps the freed unit-sized blocks in its heap,
+    so RSS would stay at the transient peak. Give them back to the OS (a no-op elsewhere than glibc)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def init_buffers(model: nn.Module, device: torch.device) -> None:

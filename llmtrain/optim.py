@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-import re
 
 import torch
 from torch import nn
 
 from llmtrain.config import TrainConfig
+from llmtrain.model import clean_name
 
 
 def peak_lr(section: TrainConfig, dp_size: int) -> float:
@@ -34,14 +34,6 @@ def build_optimizer(model: nn.Module, section: TrainConfig, lr: float, device: t
     groups = [{"params": decay, "weight_decay": section.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(section.betas), fused=device.type == "cuda")
-
-
-WRAPPER_PARTS = re.compile(r"(^|\.)(module|_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)(?=\.)")
-
-
-def clean_name(name: str) -> str:
-    """A parameter name without the segments DDP, FSDP1, checkpointing or compile insert."""
-    return WRAPPER_PARTS.sub("", name).lstrip(".")
 
 
 def lr_at(step: int, section: TrainConfig, peak: float) -> float:

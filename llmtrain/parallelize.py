@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from llmtrain.config import ConfigError, ParallelConfig
-from llmtrain.model import decoder_layer_classes, decoder_layers
+from llmtrain.model import decoder_layer_classes, decoder_layers, release_freed_memory
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # fp32 params + grads + two AdamW moments; activations and temporaries need the rest.
@@ -133,6 +133,7 @@ def apply_fsdp1(model: nn.Module, section: ParallelConfig, plan: Plan, mesh: Dev
 
 def _materialize_one(module: nn.Module, root: nn.Module, device: torch.device) -> None:
     """FSDP1 materializes unit by unit; once both embeddings are real, tie them again."""
+    release_freed_memory()  # the previous unit's full-size tensors, dropped once it was sharded
     module.to_empty(device=device, recurse=False)
     inp, out = root.get_input_embeddings(), root.get_output_embeddings()
     if root.config.tie_word_embeddings and out is not None and not (inp.weight.is_meta or out.weight.is_meta):
@@ -164,6 +165,7 @@ def parallelize(model: nn.Module, section: ParallelConfig, plan: Plan, mesh: Dev
         model = apply_fsdp2(model, section, plan, mesh, device)
     elif plan.strategy == "fsdp":
         model = apply_fsdp1(model, section, plan, mesh, device)
+        release_freed_memory()
     elif plan.strategy == "ddp":
         model = apply_ddp(model, device)
     else:

@@ -83,7 +83,7 @@ def train(cfg: Config, env: distributed.DistEnv) -> torch.nn.Module:
         summary = preflight.run(env, cfg.output_dir, cfg.distributed.preflight_timeout_s)
         if env.is_main:
             print(summary, flush=True)
-    # Model: built on meta, sharded/wrapped, then weights arrive from rank 0 (host RAM: one copy).
+    # Model: built on meta, sharded/wrapped, then each rank reads only its own slices of the weights.
     tokenizer = model_lib.load_tokenizer(cfg.tokenizer.path or cfg.model.path, cfg.model.trust_remote_code)
     model_config = model_lib.load_model_config(cfg.model, tokenizer)
     model = model_lib.build_meta_model(model_config, cfg.model)
@@ -92,8 +92,7 @@ def train(cfg: Config, env: distributed.DistEnv) -> torch.nn.Module:
     plan = parallelize.resolve(cfg.parallel, n_params, env.world_size, env.device)
     mesh = distributed.build_mesh(env, cfg.parallel.replicate)
     model = parallelize.parallelize(model, cfg.parallel, plan, mesh, env.device)
-    model_lib.load_weights(model, model_lib.full_state_dict_rank0(cfg.model, model_config, cfg.train.seed),
-                           env.device)
+    model_lib.load_weights(model, cfg.model, model_config, cfg.train.seed, env.device)
     model.train()
     distributed.seed_everything(cfg.train.seed + env.rank)  # per-rank dropout; the init above is shared
 

@@ -68,6 +68,23 @@ def test_cli_errors_exit_nonzero_on_every_rank(tmp_path, args, words):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_incomplete_weights_are_named_on_every_rank(tmp_path):
+    import torch
+    import yaml
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    model_dir = tmp_path / "model"
+    LlamaConfig(**yaml.safe_load(TINY.read_text())["model"]["config"], vocab_size=512).save_pretrained(model_dir)
+    save_file({"model.norm.weight": torch.ones(32)}, model_dir / "model.safetensors")
+    res = launch([RECIPE, "--config", TINY, f"output_dir={tmp_path / 'out'}", "model.config=null",
+                  f"model.path={model_dir}", "parallel.strategy=fsdp"], nproc=2, timeout=90)
+    assert res.returncode != 0
+    for w in ("model.path: weights missing", "model.embed_tokens.weight", "is this a llama checkpoint?"):
+        assert w in res.stderr, res.stderr[-2000:]
+    assert res.stderr.count("weights missing") >= 2 and "Traceback" not in res.stderr  # each rank says why
+
+
 def test_print_config_and_help(tmp_path):
     res = launch([RECIPE, "--config", TINY, "train.lr=5e-4", "--print-config"], torchrun=False, timeout=60)
     assert res.returncode == 0 and "lr: 0.0005" in res.stdout

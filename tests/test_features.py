@@ -1,12 +1,16 @@
 """Each parallelism option trains the same model: options that must not change the math reproduce the
-reference losses exactly (fp32); mixed precision stays close; weights loaded from model.path round-trip."""
+reference losses exactly (fp32); mixed precision stays close; weights loaded from model.path round-trip
+and take no more host RAM per rank than the rank's shards plus one unit in flight."""
 
 from __future__ import annotations
+
+import json
+import shutil
 
 import pytest
 from safetensors.torch import load_file
 
-from conftest import losses, run_recipe
+from conftest import REPO, launch, losses, run_recipe
 
 TOL = 2e-5
 # Options that must not change the math, combined where they are independent (each run costs ~8 s).
@@ -60,6 +64,29 @@ def test_weights_from_model_path_round_trip(tmp_path):
     for name in a:
         assert (a[name] - b[name]).abs().max() < 1e-8, name
     assert losses(second)[0] < losses(first)[0]  # it starts from the trained weights, not from scratch
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+def test_loading_holds_own_shards_plus_one_unit(tmp_path, strategy):
+    """4 ranks load a 12-layer model from model.path (bench/memory_probe.py: the recipe's own loading path).
+    Each rank's peak of anonymous memory while parallelizing and loading is its shards plus, at most, the
+    largest unit gathered and one tensor read (fsdp; fsdp2 reads slices): not a copy of the model per rank."""
+    shape = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=12, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=4096, tie_word_embeddings=True)
+    probe, model_dir, out = REPO / "bench" / "memory_probe.py", tmp_path / "model", tmp_path / "probe.json"
+    exported = launch([probe, "--export", model_dir, "--shape", json.dumps(shape)], torchrun=False, timeout=120)
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    weights = json.loads(exported.stdout.strip().splitlines()[-1])["bytes"]
+    for f in (REPO / "assets" / "tokenizer").iterdir():
+        shutil.copy(f, model_dir)
+    res = launch([probe, "--model", model_dir, "--strategy", strategy, "--seq-len", "16", "--out", out], nproc=4)
+    assert res.returncode == 0, res.stderr[-3000:]
+    largest_unit = 4 * shape["vocab_size"] * shape["hidden_size"]  # the embedding, in the root unit
+    for rank in json.loads(out.read_text())["ranks"]:
+        shard = rank["params_bytes_after_load"]
+        assert shard == pytest.approx(weights / 4, rel=0.02)
+        assert rank["load_anon_peak_bytes"] < shard + 2 * largest_unit + 8 * 2**20 < 0.7 * weights, rank
 
 
 def test_auto_picks_fsdp2_when_the_state_does_not_fit():
