@@ -81,16 +81,41 @@ def wait_for_step(output_dir: Path, step: int, proc: subprocess.Popen, timeout: 
     pytest.fail(f"no step {step} within {timeout}s")
 
 
-def run_recipe(output_dir: Path, *overrides: str, nproc: int = 1, config: Path = TINY, check: bool = True,
-               timeout: float = 240, torchrun: bool = True, torchrun_args: tuple[str, ...] = (),
-               script: Path = RECIPE) -> subprocess.CompletedProcess:
-    """Run the recipe (or EXPORT_LOGITS, which runs the recipe and saves probe logits)."""
-    res = launch([script, "--config", config, f"output_dir={output_dir}", *overrides], nproc=nproc,
-                 timeout=timeout, torchrun=torchrun, torchrun_args=torchrun_args)
+def start_recipe(output_dir: Path, *overrides: str, nproc: int = 1, config: Path = TINY, torchrun: bool = True,
+                 torchrun_args: tuple[str, ...] = (), script: Path = RECIPE) -> subprocess.Popen:
+    """Start the recipe (or EXPORT_LOGITS, which runs the recipe and saves probe logits)."""
+    return start([script, "--config", config, f"output_dir={output_dir}", *overrides], nproc=nproc,
+                 torchrun=torchrun, torchrun_args=torchrun_args)
+
+
+def finish_recipe(proc: subprocess.Popen, timeout: float = 240, check: bool = True) -> subprocess.CompletedProcess:
+    res = finish(proc, timeout)
     if check and res.returncode != 0:
         pytest.fail(f"exit {res.returncode}: {' '.join(res.args)}\n--- stdout\n{res.stdout[-4000:]}\n"
                     f"--- stderr\n{res.stderr[-6000:]}")
     return res
+
+
+def run_recipe(output_dir: Path, *overrides: str, nproc: int = 1, config: Path = TINY, check: bool = True,
+               timeout: float = 240, torchrun: bool = True, torchrun_args: tuple[str, ...] = (),
+               script: Path = RECIPE) -> subprocess.CompletedProcess:
+    proc = start_recipe(output_dir, *overrides, nproc=nproc, config=config, torchrun=torchrun,
+                        torchrun_args=torchrun_args, script=script)
+    return finish_recipe(proc, timeout, check)
+
+
+def run_side_by_side(runs: dict, at_once: int) -> dict[object, subprocess.CompletedProcess]:
+    """{key: (output_dir, nproc, overrides, script)} -> {key: result}, `at_once` recipe runs at a time: a
+    small run spends much of its time starting up rather than computing. Fails on the first failed run."""
+    results, running = {}, []
+    for key, (output_dir, nproc, overrides, script) in runs.items():
+        if len(running) == at_once:
+            done, proc = running.pop(0)
+            results[done] = finish_recipe(proc)
+        running.append((key, start_recipe(output_dir, *overrides, nproc=nproc, script=script)))
+    for key, proc in running:
+        results[key] = finish_recipe(proc)
+    return results
 
 
 def read_metrics(output_dir: Path) -> list[dict]:

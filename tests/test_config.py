@@ -80,9 +80,9 @@ def test_incomplete_weights_are_named_on_every_rank(tmp_path):
     res = launch([RECIPE, "--config", TINY, f"output_dir={tmp_path / 'out'}", "model.config=null",
                   f"model.path={model_dir}", "parallel.strategy=fsdp"], nproc=2, timeout=90)
     assert res.returncode != 0
-    for w in ("model.path: weights missing", "model.embed_tokens.weight", "is this a llama checkpoint?"):
+    for w in ("error (rank 0): model.path: weights missing", "error (rank 1): model.path: weights missing",
+              "model.embed_tokens.weight", "is this a llama checkpoint?"):
         assert w in res.stderr, res.stderr[-2000:]
-    assert res.stderr.count("weights missing") >= 2 and "Traceback" not in res.stderr  # each rank says why
 
 
 def test_print_config_and_help(tmp_path):

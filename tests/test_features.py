@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from conftest import REPO, launch, losses, run_recipe
 
 TOL = 2e-5
-# Options that must not change the math, combined where they are independent (each run costs ~8 s).
+# Options that must not change the math, combined where they are independent.
 SAME_MATH = {
     "fsdp2_hsdp_activation_checkpointing_no_reshard": (2, [
         "parallel.strategy=fsdp2", "parallel.replicate=2", "parallel.activation_checkpointing=true",
@@ -66,23 +66,33 @@ def test_weights_from_model_path_round_trip(tmp_path):
     assert losses(second)[0] < losses(first)[0]  # it starts from the trained weights, not from scratch
 
 
+LOAD_SHAPE = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=12, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=4096, tie_word_embeddings=True)
+MEMORY_PROBE = REPO / "bench" / "memory_probe.py"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> tuple:
+    """A 12-layer model on disk (safetensors + the repo's tokenizer) and its weight bytes."""
+    path = tmp_path_factory.mktemp("load") / "model"
+    exported = launch([MEMORY_PROBE, "--export", path, "--shape", json.dumps(LOAD_SHAPE)], torchrun=False, timeout=120)
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    for f in (REPO / "assets" / "tokenizer").iterdir():
+        shutil.copy(f, path)
+    return path, json.loads(exported.stdout.strip().splitlines()[-1])["bytes"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
-def test_loading_holds_own_shards_plus_one_unit(tmp_path, strategy):
-    """4 ranks load a 12-layer model from model.path (bench/memory_probe.py: the recipe's own loading path).
+def test_loading_holds_own_shards_plus_one_unit(tmp_path, model_dir, strategy):
+    """4 ranks load the model from model.path (bench/memory_probe.py: the recipe's own loading path).
     Each rank's peak of anonymous memory while parallelizing and loading is its shards plus, at most, the
     largest unit gathered and one tensor read (fsdp; fsdp2 reads slices): not a copy of the model per rank."""
-    shape = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=12, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=4096, tie_word_embeddings=True)
-    probe, model_dir, out = REPO / "bench" / "memory_probe.py", tmp_path / "model", tmp_path / "probe.json"
-    exported = launch([probe, "--export", model_dir, "--shape", json.dumps(shape)], torchrun=False, timeout=120)
-    assert exported.returncode == 0, exported.stderr[-2000:]
-    weights = json.loads(exported.stdout.strip().splitlines()[-1])["bytes"]
-    for f in (REPO / "assets" / "tokenizer").iterdir():
-        shutil.copy(f, model_dir)
-    res = launch([probe, "--model", model_dir, "--strategy", strategy, "--seq-len", "16", "--out", out], nproc=4)
+    path, weights = model_dir
+    out = tmp_path / "probe.json"
+    res = launch([MEMORY_PROBE, "--model", path, "--strategy", strategy, "--seq-len", "16", "--out", out], nproc=4)
     assert res.returncode == 0, res.stderr[-3000:]
-    largest_unit = 4 * shape["vocab_size"] * shape["hidden_size"]  # the embedding, in the root unit
+    largest_unit = 4 * LOAD_SHAPE["vocab_size"] * LOAD_SHAPE["hidden_size"]  # the embedding, in the root unit
     for rank in json.loads(out.read_text())["ranks"]:
         shard = rank["params_bytes_after_load"]
         assert shard == pytest.approx(weights / 4, rel=0.02)

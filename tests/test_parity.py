@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import EXPORT_LOGITS, RECIPE, losses, run_recipe
+from conftest import EXPORT_LOGITS, RECIPE, losses, run_recipe, run_side_by_side
 from test_export import assert_export_matches
 
 # (ranks, micro_batch_size, grad_accum_steps): global batch 4 rows in each.
@@ -21,12 +21,12 @@ def test_none_accumulation_matches_micro_batch(tmp_path, reference):
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp2"])
 def test_strategy_and_split_give_same_losses(tmp_path, reference, strategy):
-    for ranks, micro, accum in SPLITS:
-        out = tmp_path / f"{ranks}x{micro}x{accum}"
-        check_export = (ranks, micro, accum) == (2, 2, 1)
-        run_recipe(out, f"parallel.strategy={strategy}", f"train.micro_batch_size={micro}",
-                   f"train.grad_accum_steps={accum}", nproc=ranks, script=EXPORT_LOGITS if check_export else RECIPE)
-        got = losses(out)
-        assert got == pytest.approx(reference, abs=TOL), f"{strategy} {ranks} ranks micro {micro} accum {accum}"
-        if check_export:  # the sharded model's export reproduces its logits in plain transformers
-            assert_export_matches(out)
+    runs = {(ranks, micro, accum): (tmp_path / f"{ranks}x{micro}x{accum}", ranks,
+                                    [f"parallel.strategy={strategy}", f"train.micro_batch_size={micro}",
+                                     f"train.grad_accum_steps={accum}"],
+                                    EXPORT_LOGITS if (ranks, micro, accum) == (2, 2, 1) else RECIPE)
+            for ranks, micro, accum in SPLITS}
+    run_side_by_side(runs, at_once=len(runs))
+    for (ranks, micro, accum), (out, *_) in runs.items():
+        assert losses(out) == pytest.approx(reference, abs=TOL), f"{strategy} {ranks} ranks micro {micro} accum {accum}"
+    assert_export_matches(tmp_path / "2x2x1")  # the sharded model's export reproduces its logits in transformers
