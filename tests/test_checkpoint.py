@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import (RECIPE, TINY, finish, launch, losses, losses_by_step, read_metrics, run_recipe, start,
+from conftest import (RECIPE, TINY, TWO_RANKS, finish, launch, losses, losses_by_step, read_metrics, run_recipe, start,
                       wait_for_step, worker_pids)
 
 TOL = 2e-5
@@ -85,6 +85,13 @@ def test_async_save_and_keep_last(tmp_path, reference):
     assert names == ["step_3", "step_4"]
     state = json.loads((tmp_path / "checkpoints" / "step_4" / "trainer_state.json").read_text())
     assert state["step"] == 4 and state["samples_seen"] == 16
+
+
+def test_time_based_checkpoints(tmp_path):
+    """checkpoint.every_minutes alone: a timer that is always due saves after every step, on 2 ranks that
+    agree on it through the per-step all-reduce."""
+    run_recipe(tmp_path, "checkpoint.every_minutes=1e-9", "checkpoint.keep_last=0", *TWO_RANKS, nproc=2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [f"step_{s}" for s in (1, 2, 3, 4)]
 
 
 def test_resume_of_a_finished_run_only_exports(tmp_path):
