@@ -32,7 +32,6 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from llmtrain.config import CheckpointConfig, ConfigError
 from llmtrain.model import WEIGHTS_FILE, WEIGHTS_INDEX
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"
 HF_CONFIG_DIR = "hf_config"
@@ -61,8 +60,6 @@ def publish(tmp: Path, final: Path) -> None:
 def write_hf(state: dict[str, torch.Tensor], out: Path, config, tokenizer, dtype: torch.dtype,
              max_shard_size: str = "5GB") -> None:
     """A directory that transformers' from_pretrained loads with no llmtrain import. Never pickles."""
-    import json
-
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
     from transformers import GenerationConfig
@@ -103,8 +100,7 @@ def export_hf(model: nn.Module, strategy: str, device: torch.device, out: str | 
 
 @dataclass
 class TrainState:
-    """The non-tensor training state. The data cursor is samples_seen: with the same global batch the
-    data order continues exactly, whatever the world size."""
+    """The non-tensor training state; `data` is the data position that make_steps resumes from."""
     step: int = 0
     samples_seen: int = 0
     tokens_seen: int = 0
@@ -139,14 +135,19 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(dec(state["cuda"]))
 
 
+def is_complete(path: Path) -> bool:
+    """trainer_state.json is written last, after every rank's shards and DCP's .metadata."""
+    return (path / STATE_FILE).is_file() and (path / ".metadata").is_file()
+
+
 def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
     """(step, path) of complete checkpoints, oldest first. A `.tmp` directory (a save that never
-    finished) or one without trainer_state.json (written last) is never taken for a checkpoint."""
+    finished) or one without trainer_state.json is never taken for a checkpoint."""
     found = []
     if root.is_dir():
         for p in root.iterdir():
             m = STEP_DIR.match(p.name)
-            if m and (p / STATE_FILE).is_file() and (p / ".metadata").is_file():
+            if m and is_complete(p):
                 found.append((int(m.group(1)), p))
     return sorted(found)
 
@@ -171,7 +172,7 @@ def resume_path(section: CheckpointConfig, output_dir: str | Path) -> Path | Non
         found = complete_checkpoints(Path(output_dir) / "checkpoints")
         return found[-1][1] if found else None
     path = Path(section.resume)
-    if not ((path / STATE_FILE).is_file() and (path / ".metadata").is_file()):
+    if not is_complete(path):
         raise ConfigError(f"checkpoint.resume: {section.resume} is not a complete checkpoint "
                           f"(no {STATE_FILE} or .metadata); use auto, never or a checkpoints/step_<N> path")
     return path
@@ -192,7 +193,7 @@ class CheckpointManager:
         self.root = Path(output_dir) / "checkpoints"
         self.model, self.optimizer, self.rank = model, optimizer, rank
         self.config_yaml, self.model_config, self.tokenizer = config_yaml, model_config, tokenizer
-        self.pending = None  # (future, tmp dir, final dir) of an async save
+        self.pending = None  # (future, tmp dir, final dir, state) of an async save
         self.last_save = time.monotonic()
 
     # -- what to save -------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from llmtrain.checkpoint import DTYPES, HF_CONFIG_DIR, STATE_FILE, write_hf
+from llmtrain.checkpoint import HF_CONFIG_DIR, STATE_FILE, is_complete, write_hf
+from llmtrain.parallelize import DTYPES
 
 PREFIX = "model."
 
@@ -23,7 +24,7 @@ PREFIX = "model."
 def convert(ckpt: Path, out: Path, dtype: str, max_shard_size: str) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
-    if not (ckpt / STATE_FILE).is_file() or not (ckpt / ".metadata").is_file():
+    if not is_complete(ckpt):
         raise SystemExit(f"error: {ckpt} is not a complete llmtrain checkpoint (no {STATE_FILE} or .metadata)")
     reader = dcp.FileSystemReader(str(ckpt))
     meta = reader.read_metadata().state_dict_metadata

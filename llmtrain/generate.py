@@ -63,10 +63,12 @@ def load(model_dir: str, device: str = "auto", dtype: str = "auto"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from llmtrain.parallelize import DTYPES as TORCH_DTYPES
+
     hf_logging.disable_progress_bar()  # stdout/stderr carry the completion and errors only
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch_dtype = {"auto": "auto", "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    torch_dtype = "auto" if dtype == "auto" else TORCH_DTYPES[dtype]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(device)
     model.eval()

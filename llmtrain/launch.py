@@ -29,8 +29,8 @@ _FIXED_BY_RECIPE = {
     "FSDP_FORWARD_PREFETCH": "torch defaults",
     "FSDP_USE_ORIG_PARAMS": "FSDP1 always uses original parameters",
     "FSDP_STATE_DICT_TYPE": "checkpoints are sharded DCP, exports full safetensors",
-    "FSDP_CPU_RAM_EFFICIENT_LOADING": "always: meta-device model, weights sent from rank 0",
-    "FSDP_SYNC_MODULE_STATES": "always: weights sent from rank 0",
+    "FSDP_CPU_RAM_EFFICIENT_LOADING": "always: meta-device model, each rank reads only its shards",
+    "FSDP_SYNC_MODULE_STATES": "always: every rank loads the same weights (a random init comes from rank 0)",
 }
 
 

@@ -4,6 +4,7 @@ global count of trained tokens. Gradients then equal those of one big batch, wha
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from llmtrain.data.formats import IGNORE
@@ -24,8 +25,6 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def evaluate(model, batches, device: torch.device, autocast) -> tuple[float, int]:
     """Token-weighted loss over every rank's validation batches: (global mean loss, global tokens).
     Collective: every rank must pass the same number of batches."""
-    import torch.distributed as dist
-
     was_training = model.training
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)

@@ -23,16 +23,12 @@ def no_decay_names(model: nn.Module) -> set[str]:
 
 def build_optimizer(model: nn.Module, section: TrainConfig, lr: float, device: torch.device,
                     no_decay: set[str]) -> torch.optim.AdamW:
-    decay_params, no_decay_params = [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            (no_decay_params if clean_name(name) in no_decay else decay_params).append(p)
-    names = {clean_name(n) for n, _ in model.named_parameters()}
-    if not no_decay <= names:  # a wrapper renamed parameters: fail loudly rather than decay norms
-        raise RuntimeError(f"parameters not found after wrapping: {sorted(no_decay - names)[:3]}")
-    decay, no_decay = decay_params, no_decay_params
-    groups = [{"params": decay, "weight_decay": section.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    params = {clean_name(name): p for name, p in model.named_parameters()}
+    if not no_decay <= params.keys():  # a wrapper renamed parameters: fail loudly rather than decay norms
+        raise RuntimeError(f"parameters not found after wrapping: {sorted(no_decay - params.keys())[:3]}")
+    trained = {name: p for name, p in params.items() if p.requires_grad}
+    groups = [{"params": [p for n, p in trained.items() if n not in no_decay], "weight_decay": section.weight_decay},
+              {"params": [p for n, p in trained.items() if n in no_decay], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(section.betas), fused=device.type == "cuda")
 
 

@@ -92,7 +92,10 @@ def train(cfg: Config, env: distributed.DistEnv) -> torch.nn.Module:
     plan = parallelize.resolve(cfg.parallel, n_params, env.world_size, env.device)
     mesh = distributed.build_mesh(env, cfg.parallel.replicate)
     model = parallelize.parallelize(model, cfg.parallel, plan, mesh, env.device)
-    model_lib.load_weights(model, cfg.model, model_config, cfg.train.seed, env.device)
+    if checkpoint.resume_path(cfg.checkpoint, cfg.output_dir) is None:
+        model_lib.load_weights(model, cfg.model, model_config, cfg.train.seed, env.device)
+    else:  # the checkpoint holds every weight: reading model.path as well would be wasted I/O
+        model_lib.init_buffers(model, env.device)
     model.train()
     distributed.seed_everything(cfg.train.seed + env.rank)  # per-rank dropout; the init above is shared
 
@@ -177,7 +180,7 @@ def evaluate(model, plan, val, cfg: Config, env: distributed.DistEnv, step: int,
 
 def export(model, plan, env, cfg: Config, model_config, tokenizer, out: Path) -> None:
     checkpoint.export_hf(model, plan.strategy, env.device, out, model_config, tokenizer,
-                         checkpoint.DTYPES[cfg.checkpoint.export_dtype], cfg.checkpoint.max_shard_size)
+                         parallelize.DTYPES[cfg.checkpoint.export_dtype], cfg.checkpoint.max_shard_size)
 
 
 class Preempted(Exception):

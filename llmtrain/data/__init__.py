@@ -211,7 +211,6 @@ class StreamingRows:
         for i, src in enumerate(sources(section)):
             ds, _ = _load(src.path, f"data.sources[{i}].path" if section.sources else "data.path", streaming=True)
             parts.append((ds, src.format))
-        self.formats = [fmt for _, fmt in parts]
         streams = [ds.map(lambda r, f=fmt: {"__format": f}) for ds, fmt in parts]
         if len(streams) > 1:
             weights = [s.weight for s in section.sources]
