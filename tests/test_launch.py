@@ -1,7 +1,7 @@
 """Launches beyond `torchrun --standalone`: torchrun across two nodes (static and c10d rendezvous), `accelerate
-launch` (the shipped single- and multi-node configs; its FSDP settings checked against parallel.*), and the
-pre-flight checks (`python -m llmtrain.preflight`, which the recipe also runs). The "nodes" are processes on
-127.0.0.1; every multi-process run must reproduce the 2-process torchrun losses (two_rank_losses)."""
+launch` (the shipped single- and multi-node configs; its FSDP settings checked against parallel.*). The
+"nodes" are processes on 127.0.0.1; every multi-process run must reproduce the 2-process torchrun losses
+(two_rank_losses). The pre-flight checks have their own file, test_preflight.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Observability and everyday tools: metrics keys and their FLOP/peak arithmetic, the loggers
 (jsonl, TensorBoard, wandb offline) read back with their own readers, the progress output, plot,
-generate, --help, and every file under configs/.
+generate, --help, and every recipe config under configs/ (configs/accelerate/ is test_launch.py's).
 
 The end-to-end tests share one 2-process run (module fixture) that also exercises the README's
 hang-debugging launch: TORCH_DISTRIBUTED_DEBUG=INFO, NCCL_DEBUG and torchrun --log-dir/--redirects/--tee/
@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from conftest import BIN, RECIPE, REPO, TINY, finish, launch, read_metrics, run_recipe, start
 from llmtrain import metrics as m
