@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -71,10 +70,8 @@ def main() -> None:
     ckpt = out_dir / "checkpoints" / "step_1"
     shards = sum(f.stat().st_size for f in ckpt.iterdir() if f.is_file() and f.suffix == ".distcp")
     total = du(ckpt)
-    loader = checkpoint.CheckpointManager(CheckpointConfig(resume="auto"), str(out_dir), model, opt, env.rank,
-                                          "bench: {}\n", model_config, tokenizer)
-    resumed = []
-    load_s = timed(lambda: resumed.append(loader.resume()))
+    resumed = []  # checkpoint.resume=auto (the default) loads the step just saved
+    load_s = timed(lambda: resumed.append(manager.resume()))
     assert resumed[0] is not None and resumed[0].step == 1, resumed
     hf = args.dir / "hf"
     export_s = timed(lambda: checkpoint.export_hf(model, plan.strategy, env.device, hf, model_config, tokenizer))
@@ -88,6 +85,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from llmtrain.distributed import hard_exit
+
     main()
-    sys.stdout.flush()
-    os._exit(0)
+    hard_exit(0)

@@ -4,8 +4,9 @@
     torchrun --standalone --nproc_per_node=2 bench/memory_probe.py --model DIR --strategy fsdp2 --out R.json
 
 The second form goes through the recipe's own pieces (llmtrain.model / parallelize / optim / loss):
-meta model -> parallelize -> load_weights from DIR (each rank reads only its slices) ->
-AdamW -> one training step. Per rank it reports:
+meta model -> parallelize -> load_weights from DIR (fsdp2/ddp: each rank reads the slices its
+parameters cover; fsdp: one unit at a time is gathered and filled with whole tensors) -> AdamW -> one
+training step. Per rank it reports:
 
   load_peak_bytes    VmHWM during parallelize + load_weights minus the RSS just before (VmHWM is
                      reset there through /proc/self/clear_refs), and the same for RssAnon sampled
@@ -124,7 +125,7 @@ def probe(args) -> None:
     tcfg = TrainConfig()
     opt = optim.build_optimizer(model, tcfg, tcfg.lr, env.device, no_decay)
     gen = torch.Generator().manual_seed(env.rank)
-    ids = torch.randint(0, min(model_config.vocab_size, len(tokenizer)), (args.micro_batch, args.seq_len),
+    ids = torch.randint(0, len(tokenizer), (args.micro_batch, args.seq_len),
                         generator=gen)
     pos = torch.arange(args.seq_len).expand(args.micro_batch, -1)
     logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
@@ -167,8 +168,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    sys.stdout.flush()
-    import os
+    from llmtrain.distributed import hard_exit
 
-    os._exit(0)  # see llmtrain.distributed.hard_exit: skip interpreter teardown after gloo
+    main()
+    hard_exit(0)

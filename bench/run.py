@@ -250,7 +250,7 @@ def bench_memory(ctx: Ctx) -> dict:
         ["strategy", "VmHWM increase rank 0 / rank 1", "VmHWM sum / one copy", "RssAnon sum / one copy",
          "loaded params, both ranks", "(RssAnon sum - loaded params) / one copy"], load_rows)
     text += ("\n\nVmHWM is reset just before parallelize + load_weights and read after; the increase is over the "
-             "RSS just before. It counts the safetensors file pages each rank maps to read its slices: page cache, "
+             "RSS just before. It counts the safetensors file pages each rank maps to read its weights: page cache, "
              "shared by the ranks and reclaimable, so the sum counts it once per rank. RssAnon (sampled every "
              "2 ms) is the private memory and the figure the targets use. On CPU the loaded parameters "
              "themselves live in host RAM (one copy over both ranks with fsdp/fsdp2, one per rank with ddp).")

@@ -7,7 +7,7 @@ alternated step by step, so that load from other processes hits all of them alik
 launches on a shared machine differ by more than the effect measured):
 
   recipe     the recipe's loop body: next batch from llmtrain.data (packed rows with position_ids),
-             recipes/finetune.py train_step (token-weighted loss, all-reduces, clipping, AdamW), the
+             llmtrain.step.train_step (token-weighted loss, all-reduces, clipping, AdamW), the
              per-step preemption all-reduce
   recipe, arange positions   the same with position_ids 0..seq_len-1 (no block-causal mask)
   bare       model(input_ids, labels).loss.backward(); opt.step(); zero_grad() on a random batch
@@ -19,7 +19,6 @@ Each step is timed on rank 0 between barriers; medians of --rounds rounds are pr
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -98,6 +97,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from llmtrain.distributed import hard_exit
+
     main()
-    sys.stdout.flush()
-    os._exit(0)
+    hard_exit(0)
