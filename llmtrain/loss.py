@@ -16,9 +16,11 @@ def trained_tokens(labels: torch.Tensor) -> torch.Tensor:
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum (not mean) of next-token cross-entropies, in fp32 whatever the compute dtype."""
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                           ignore_index=IGNORE, reduction="sum")
+    """Sum (not mean) of next-token cross-entropies, in fp32 whatever the compute dtype. The labels are
+    shifted left (the last position gets IGNORE) rather than the logits sliced: slicing would copy the
+    whole logits tensor, and its gradient, every step."""
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
 @torch.no_grad()
