@@ -49,7 +49,7 @@ def main() -> None:
     model = parallelize.parallelize(model, pcfg, plan, distributed.build_mesh(env, 1), env.device)
     model_lib.load_weights(model, section, model_config, 0, env.device)
     tcfg = TrainConfig()
-    opt = optim.build_optimizer(model, tcfg, tcfg.lr, env.device, no_decay)
+    opt = optim.build_optimizer(model, tcfg, tcfg.lr, no_decay)
     ids = torch.randint(0, len(tokenizer), (1, 64), generator=torch.Generator().manual_seed(env.rank))
     token_loss_sum(model(input_ids=ids, use_cache=False).logits, ids).backward()
     opt.step()

@@ -123,7 +123,7 @@ def probe(args) -> None:
     # One step: gradients, then optimizer state.
     model.train()
     tcfg = TrainConfig()
-    opt = optim.build_optimizer(model, tcfg, tcfg.lr, env.device, no_decay)
+    opt = optim.build_optimizer(model, tcfg, tcfg.lr, no_decay)
     gen = torch.Generator().manual_seed(env.rank)
     ids = torch.randint(0, len(tokenizer), (args.micro_batch, args.seq_len),
                         generator=gen)

@@ -51,7 +51,7 @@ def main() -> None:
     model = parallelize.parallelize(model, cfg.parallel, plan, distributed.build_mesh(env, 1), env.device)
     model_lib.load_weights(model, cfg.model, mc, cfg.train.seed, env.device)
     model.train()
-    opt = optim.build_optimizer(model, cfg.train, cfg.train.lr, env.device, no_decay)
+    opt = optim.build_optimizer(model, cfg.train, cfg.train.lr, no_decay)
     built = data.build(cfg.data, tok, cfg.train.seed, env.is_main, env.rank, env.world_size)
     micro, seq = cfg.train.micro_batch_size, cfg.data.seq_len
     steps = data.make_steps(built, micro, cfg.train.grad_accum_steps, env.world_size, env.rank, cfg.train.seed,

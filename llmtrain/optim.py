@@ -21,15 +21,16 @@ def no_decay_names(model: nn.Module) -> set[str]:
     return {name for name, p in model.named_parameters() if p.ndim < 2}
 
 
-def build_optimizer(model: nn.Module, section: TrainConfig, lr: float, device: torch.device,
-                    no_decay: set[str]) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, section: TrainConfig, lr: float, no_decay: set[str]) -> torch.optim.AdamW:
     params = {clean_name(name): p for name, p in model.named_parameters()}
     if not no_decay <= params.keys():  # a wrapper renamed parameters: fail loudly rather than decay norms
         raise RuntimeError(f"parameters not found after wrapping: {sorted(no_decay - params.keys())[:3]}")
     trained = {name: p for name, p in params.items() if p.requires_grad}
     groups = [{"params": [p for n, p in trained.items() if n not in no_decay], "weight_decay": section.weight_decay},
               {"params": [p for n, p in trained.items() if n in no_decay], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(section.betas), fused=device.type == "cuda")
+    # Fused: one kernel for all parameters, on GPU and CPU alike (the default per-parameter loop costs
+    # ~3% of a CPU demo step with FSDP2, where every op on a DTensor is dispatched separately).
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(section.betas), fused=True)
 
 
 def lr_at(step: int, section: TrainConfig, peak: float) -> float:

@@ -100,7 +100,7 @@ def train(cfg: Config, env: distributed.DistEnv) -> torch.nn.Module:
     distributed.seed_everything(cfg.train.seed + env.rank)  # per-rank dropout; the init above is shared
 
     peak = optim.peak_lr(cfg.train, env.world_size)
-    opt = optim.build_optimizer(model, cfg.train, peak, env.device, no_decay)
+    opt = optim.build_optimizer(model, cfg.train, peak, no_decay)
     scaler = parallelize.grad_scaler(plan, env.device)
     global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * env.world_size
     ckpt = checkpoint.CheckpointManager(cfg.checkpoint, cfg.output_dir, model, opt, env.rank, to_yaml(cfg),
