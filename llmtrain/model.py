@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PretrainedConfig
 
+from llmtrain import attention
 from llmtrain.config import ConfigError, ModelConfig
 
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -65,7 +66,7 @@ def load_model_config(section: ModelConfig, tokenizer) -> PretrainedConfig:
     if config.vocab_size < len(tokenizer):
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
                           f"{config.vocab_size}; use a matching tokenizer.path")
-    config._attn_implementation = section.attn_implementation
+    config._attn_implementation = attention.implementation(section.attn_implementation)
     config.use_cache = False
     return config
 
@@ -75,7 +76,7 @@ def build_meta_model(config: PretrainedConfig, section: ModelConfig) -> nn.Modul
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             config, trust_remote_code=section.trust_remote_code, dtype=torch.float32,
-            attn_implementation=section.attn_implementation)
+            attn_implementation=attention.implementation(section.attn_implementation))
     return model
 
 

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from conftest import REPO, TINY, launch, read_metrics, run_recipe
+from llmtrain import attention
 from llmtrain.config import ConfigError, DataConfig, load_config
 from llmtrain.data import IGNORE, GlobalOrderSampler, StreamSteps, StreamingRows, build
 from llmtrain.data.formats import BadRecord, encode_chat, encode_instruction, encode_text
@@ -108,7 +109,7 @@ def test_text_and_default_chat_template(tok):
     assert trained_text(bare, ids, labels) == ["5<|end_of_text|>", "Eight, that is 8.<|end_of_text|>"]
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", attention.NAME])
 def test_packed_document_sees_only_itself(tok, attn):
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -128,6 +129,29 @@ def test_packed_document_sees_only_itself(tok, attn):
         alone_b = model(input_ids=torch.tensor([b])).logits[0]
     torch.testing.assert_close(packed[:len(a)], alone_a, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(packed[len(a):len(a) + len(b)], alone_b, atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_sdpa_matches_sdpa_on_packed_rows(tok):
+    """The query chunks of llmtrain's sdpa give transformers' sdpa numbers, forward and backward."""
+    texts = ["the red ball is here", "three plus four is seven", "a cat", "the blue box is big and red"]
+    examples = [(ids, ids, True) for ids in (tok(t)["input_ids"] for t in texts * 3)]
+    rows, _ = to_rows(examples, 37, tok.pad_token_id, packing=True)  # 37: uneven chunks
+    batch = {k: torch.tensor(v) for k, v in rows.items()}
+    assert len(batch["input_ids"]) > 1 and (batch["position_ids"][:, 1:] == 0).any()
+    grads, logits = [], []
+    for attn in ["sdpa", attention.NAME]:
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                             attn_implementation=attn)
+        model = LlamaForCausalLM(config)
+        out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        out.square().sum().backward()
+        logits.append(out.detach())
+        grads.append([p.grad for p in model.parameters()])
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-6, rtol=1e-6)
+    for a, b in zip(*grads):  # key/value gradients are summed over the chunks: fp32 rounding only
+        torch.testing.assert_close(b, a, atol=1e-6 * a.abs().max().item(), rtol=1e-5)
 
 
 def positions(n: int, world: int, seed: int, start: int, count: int) -> list[list[int]]:

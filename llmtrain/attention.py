@@ -1,0 +1,51 @@
+"""SDPA for packed rows without the masked-out half of the work.
+
+Packed rows restart position_ids at every example, so transformers hands sdpa a block-causal mask.
+Given a mask, SDPA kernels compute every query x key block and then mask it; only with is_causal do
+they skip the blocks above the diagonal. `chunked_sdpa` runs SDPA on CHUNKS slices of the queries,
+each against the keys up to the slice's end (a causal mask hides the rest): the same numbers, and 3/8
+of the attention work (4 chunks) not done. On CPU it also hands grouped key/value heads to the kernel
+as they are (enable_gqa), where transformers copies them out per query head once a mask is given.
+Unmasked (unpacked) input, or a query shorter than its keys (a KV cache), goes to transformers' sdpa.
+
+model.attn_implementation=sdpa selects it (as `NAME`, a name only this process knows: transformers
+does not write the attention implementation into an exported config.json).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NAME = "llmtrain_sdpa"
+CHUNKS = 4
+
+
+def chunked_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """query [batch, heads, q_len, dim], key/value [batch, kv_heads, k_len, dim], mask [batch, 1|heads,
+    q_len, k_len]; returns ([batch, q_len, heads, dim], None), as transformers' sdpa does."""
+    length = query.shape[2]
+    if attention_mask is None or attention_mask.dim() != 4 or key.shape[2] != length or length < 2 * CHUNKS:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1 and query.device.type != "cpu":  # CUDA's masked kernels take no GQA (math fallback)
+        key, value, groups = repeat_kv(key, groups), repeat_kv(value, groups), 1
+    bounds = [length * i // CHUNKS for i in range(CHUNKS + 1)]
+    outs = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, :b], value[:, :, :b],
+                                           attn_mask=attention_mask[:, :, a:b, :b], dropout_p=dropout,
+                                           scale=scaling, enable_gqa=groups > 1)
+            for a, b in zip(bounds, bounds[1:])]
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def implementation(name: str) -> str:
+    """The attention implementation to build a model with, for model.attn_implementation=`name`."""
+    return NAME if name == "sdpa" else name
+
+
+AttentionInterface.register(NAME, chunked_sdpa)
+AttentionMaskInterface.register(NAME, sdpa_mask)
