@@ -92,7 +92,7 @@ class Ctx:
 # -- 1. framework overhead -------------------------------------------------------------------------
 
 def bench_overhead(ctx: Ctx) -> dict:
-    steps, warmup, every, pairs = (6, 2, 2, 1) if ctx.quick else (25, 10, 5, 2)
+    steps, warmup, every, pairs = (6, 2, 2, 1) if ctx.quick else (40, 10, 5, 3)
     work = ctx.dir("overhead")
     cfg = DEMO
     recipe, bare, ratios_, best = [], [], [], []
