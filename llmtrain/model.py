@@ -162,12 +162,23 @@ def _load_fsdp1_units(model: nn.Module, path: Path | None, config: PretrainedCon
                 if p in nested:
                     continue
                 if path is not None:
-                    p.copy_(handles[files[names[p]]].get_tensor(names[p]))
+                    _copy_in_blocks(p, handles[files[names[p]]].get_slice(names[p]))
                 else:
                     src = full.pop(names[p]).to(p.device) if rank0 else torch.empty_like(p)
                     dist.broadcast(src, src=0)
                     p.copy_(src)
         release_freed_memory()  # this unit's gathered copy
+
+
+def _copy_in_blocks(target: torch.Tensor, source, block_bytes: int = 16 << 20) -> None:
+    """Copy a safetensors slice into `target` ~16 MiB of rows at a time: no whole-size temporary (an
+    embedding can be the largest tensor of the model)."""
+    if target.dim() < 2:
+        target.copy_(source[:])
+        return
+    rows = max(1, block_bytes // (target[0].numel() * target.element_size()))
+    for start in range(0, len(target), rows):
+        target[start:start + rows].copy_(source[start:start + rows])
 
 
 def _check_complete(wanted, files: dict[str, Path], config: PretrainedConfig) -> None:
