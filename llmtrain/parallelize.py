@@ -10,8 +10,10 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from llmtrain.config import ConfigError, ParallelConfig
 from llmtrain.model import decoder_layer_classes, decoder_layers, release_freed_memory
@@ -204,11 +206,20 @@ def clip_grad_norm(model: nn.Module, plan: Plan, max_norm: float) -> torch.Tenso
     limit = max_norm if max_norm > 0 else float("inf")
     if plan.strategy == "fsdp":
         return model.clip_grad_norm_(limit)
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    if hasattr(norm, "full_tensor"):  # FSDP2: DTensor of partial norms
-        norm = norm.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(params, limit, norm)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if grads and all(isinstance(g, DTensor) for g in grads):
+        # FSDP2: norms of the local shards, squared and summed over the mesh dims the gradients are sharded
+        # on (one all-reduce); per-tensor DTensor dispatch cost more than the arithmetic (~1% of a demo step).
+        mesh, placements = grads[0].device_mesh, grads[0].placements
+        grads = [g.to_local() for g in grads]
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True) ** 2
+        for dim, placement in enumerate(placements):
+            if placement.is_shard():
+                dist.all_reduce(norm, group=mesh.get_group(dim))
+        norm = norm.sqrt()
+    else:
+        norm = torch.nn.utils.get_total_norm(grads)
+    torch._foreach_mul_(grads, torch.clamp(limit / (norm + 1e-6), max=1.0))
     return norm
 
 
