@@ -148,3 +148,17 @@ def meta_model(section, strategy: str, env):
     pcfg = ParallelConfig(strategy=strategy)
     plan = parallelize.resolve(pcfg, n_params, env.world_size, env.device)
     return tokenizer, model_config, model, n_params, optim.no_decay_names(model), pcfg, plan
+
+
+def alternating_pairs(pairs: int, run_a, run_b) -> list[tuple]:
+    """[(run_a(i), run_b(i)) for each pair], run in the order A B, B A, A B, ...: load drift and
+    first-launch effects touch both sides alike."""
+    out = []
+    for i in range(pairs):
+        if i % 2 == 0:
+            a = run_a(i)
+            out.append((a, run_b(i)))
+        else:
+            b = run_b(i)
+            out.append((run_a(i), b))
+    return out

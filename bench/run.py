@@ -44,7 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (RECIPE, REPO, BenchError, best_window_rate, fmt_bytes, median, run, steady_tokens_per_sec,  # noqa: E402
+from common import (RECIPE, REPO, BenchError, alternating_pairs, best_window_rate, fmt_bytes, median, run, steady_tokens_per_sec,  # noqa: E402
                     torchrun, train_records, useful_tokens_per_sec)
 
 import yaml  # noqa: E402
@@ -113,11 +113,7 @@ def bench_overhead(ctx: Ctx) -> dict:
         return b_res["tokens_per_sec"], max(b_res["window_tokens_per_sec"])
 
     recipe, bare, ratios_, best = [], [], [], []
-    for i in range(pairs):  # A B, B A, A B ...: drift and first-launch effects touch both sides alike
-        if i % 2 == 0:
-            (a, a_best), (b, b_best) = run_recipe(i), run_bare(i)
-        else:
-            (b, b_best), (a, a_best) = run_bare(i), run_recipe(i)
+    for (a, a_best), (b, b_best) in alternating_pairs(pairs, run_recipe, run_bare):
         recipe.append(a)
         bare.append(b)
         ratios_.append(a / b)
@@ -154,37 +150,42 @@ def bench_overhead(ctx: Ctx) -> dict:
 # -- 2. vs the HF Trainer --------------------------------------------------------------------------
 
 def bench_trainer(ctx: Ctx) -> dict:
-    steps, warmup, window, pairs = (6, 2, 2, 1) if ctx.quick else (20, 8, 4, 2)
+    steps, warmup, window, pairs = (6, 2, 2, 1) if ctx.quick else (20, 8, 4, 3)
     work = ctx.dir("trainer")
     cfg = write_config(work / "chat.yaml", DEMO, {"data": {"path": "data/demo/chat.jsonl", "format": "chat",
                                                             "packing": True},
                                                    "parallel": {"strategy": "ddp"}})
-    ours, hf, hf_info, ratios_, our_tok, hf_tok, best = [], [], {}, [], [], [], []
-    for i in range(pairs):
+
+    def run_recipe(i: int) -> tuple[float, float, float]:
         out = work / f"recipe_{i}"
         torchrun([RECIPE, "--config", cfg, f"output_dir={out}", f"train.max_steps={steps}", "log.every_steps=1",
                   "log.progress=false", "checkpoint.resume=never"], timeout=TIMEOUT, log=work / f"recipe_{i}.log")
         records = train_records(out)
-        rate, tokens, seconds = useful_tokens_per_sec(records, warmup)
-        a_best = best_window_rate([r["elapsed_s"] for r in records], [r["trained_tokens"] for r in records],
-                                  warmup, window)
+        rate, tokens, _ = useful_tokens_per_sec(records, warmup)
+        return rate, tokens, best_window_rate([r["elapsed_s"] for r in records],
+                                              [r["trained_tokens"] for r in records], warmup, window)
+
+    def run_hf(i: int) -> dict:
         res = work / f"hf_{i}.json"
         torchrun([BENCH / "hf_trainer.py", "--config", cfg, "--steps", steps, "--warmup", warmup,
                   "--output-dir", work / f"hf_{i}", "--out", res], timeout=TIMEOUT, log=work / f"hf_{i}.log",
                  env={"HF_DATASETS_CACHE": str(work / "hf_cache")})
-        hf_info = json.loads(res.read_text())
+        return json.loads(res.read_text())
+
+    ours, hf, hf_info, ratios_, our_tok, hf_tok, best = [], [], {}, [], [], [], []
+    for (rate, tokens, a_best), hf_info in alternating_pairs(pairs, run_recipe, run_hf):
         ours.append(rate)
         hf.append(hf_info["useful_tokens_per_sec"])
         our_tok.append(tokens / (steps - warmup))
         hf_tok.append(hf_info["trained_tokens"] / (steps - warmup))
         ratios_.append(rate / hf_info["useful_tokens_per_sec"])
         best.append(a_best / best_window_rate(hf_info["step_end_s"], hf_info["step_trained_tokens"], warmup, window))
-    rows = [[f"pair {i + 1}", f"{a:,.0f}", f"{b:,.0f}", f"{a / b:.2f}", f"{r:.2f}"]
-            for i, (a, b, r) in enumerate(zip(ours, hf, best))]
+    rows = [[f"pair {i + 1} ({'A B' if i % 2 == 0 else 'B A'})", f"{a:,.0f}", f"{b:,.0f}", f"{a / b:.2f}",
+             f"{r:.2f}"] for i, (a, b, r) in enumerate(zip(ours, hf, best))]
     rows.append(["**median**", f"{median(ours):,.0f}", f"{median(hf):,.0f}", f"**{median(ratios_):.2f}**",
                  f"{median(best):.2f}"])
     pad = 1 - hf_info["real_tokens"] / hf_info["tokens"]
-    text = table(["run (A B order)", "recipe useful tokens/s", "HF Trainer useful tokens/s", "recipe / Trainer",
+    text = table(["run (A = recipe, B = Trainer)", "recipe useful tokens/s", "HF Trainer useful tokens/s", "recipe / Trainer",
                   f"best {window}-step window, recipe / Trainer"], rows)
     text += (f"\n\nUseful = label positions that carry a loss (assistant turns), all ranks. Per step (2 ranks x "
              f"micro-batch 8): recipe {median(our_tok):,.0f} trained tokens in 8 packed rows of 256 per rank; "
