@@ -207,7 +207,8 @@ def clip_grad_norm(model: nn.Module, plan: Plan, max_norm: float) -> torch.Tenso
     if plan.strategy == "fsdp":
         return model.clip_grad_norm_(limit)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if grads and all(isinstance(g, DTensor) for g in grads):
+    layouts = {(g.device_mesh, g.placements) if isinstance(g, DTensor) else None for g in grads}
+    if len(layouts) == 1 and None not in layouts:
         # FSDP2: norms of the local shards, squared and summed over the mesh dims the gradients are sharded
         # on (one all-reduce); per-tensor DTensor dispatch cost more than the arithmetic (~1% of a demo step).
         mesh, placements = grads[0].device_mesh, grads[0].placements
@@ -219,6 +220,8 @@ def clip_grad_norm(model: nn.Module, plan: Plan, max_norm: float) -> torch.Tenso
         norm = norm.sqrt()
     else:
         norm = torch.nn.utils.get_total_norm(grads)
+        if isinstance(norm, DTensor):  # DTensors on several meshes or placements: a DTensor of partial norms
+            norm = norm.full_tensor()
     torch._foreach_mul_(grads, torch.clamp(limit / (norm + 1e-6), max=1.0))
     return norm
 
