@@ -74,9 +74,9 @@ def load_model_config(section: ModelConfig, tokenizer) -> PretrainedConfig:
 def build_meta_model(config: PretrainedConfig, section: ModelConfig) -> nn.Module:
     """Structure only: no memory is allocated until the parallelized model is materialized."""
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
-            config, trust_remote_code=section.trust_remote_code, dtype=torch.float32,
-            attn_implementation=attention.implementation(section.attn_implementation))
+        # The attention implementation comes with the config (load_model_config set it).
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=section.trust_remote_code,
+                                                 dtype=torch.float32)
     return model
 
 

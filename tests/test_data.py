@@ -11,7 +11,7 @@ import torch.distributed as dist
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from conftest import REPO, TINY, launch, read_metrics, run_recipe
-from llmtrain import attention
+from llmtrain import attention, model as model_lib
 from llmtrain.config import ConfigError, DataConfig, load_config
 from llmtrain.data import IGNORE, GlobalOrderSampler, StreamSteps, StreamingRows, build
 from llmtrain.data.formats import BadRecord, encode_chat, encode_instruction, encode_text
@@ -109,13 +109,17 @@ def test_text_and_default_chat_template(tok):
     assert trained_text(bare, ids, labels) == ["5<|end_of_text|>", "Eight, that is 8.<|end_of_text|>"]
 
 
+def small_llama(tok, attn: str) -> LlamaForCausalLM:
+    """A 2-layer GQA Llama with a fixed init, whatever the attention implementation."""
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=64, attn_implementation=attn))
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager", attention.NAME])
 def test_packed_document_sees_only_itself(tok, attn):
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         attn_implementation=attn)
-    model = LlamaForCausalLM(config).eval()
+    model = small_llama(tok, attn).eval()
     a = tok("the red ball is here")["input_ids"]
     b = tok("three plus four is seven")["input_ids"]
     rows, _ = to_rows([(a, a, True), (b, b, True)], 40, tok.pad_token_id, packing=True)
@@ -140,11 +144,7 @@ def test_chunked_sdpa_matches_sdpa_on_packed_rows(tok):
     assert len(batch["input_ids"]) > 1 and (batch["position_ids"][:, 1:] == 0).any()
     grads, logits = [], []
     for attn in ["sdpa", attention.NAME]:
-        torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                             attn_implementation=attn)
-        model = LlamaForCausalLM(config)
+        model = small_llama(tok, attn)
         out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
         out.square().sum().backward()
         logits.append(out.detach())
@@ -152,6 +152,11 @@ def test_chunked_sdpa_matches_sdpa_on_packed_rows(tok):
     torch.testing.assert_close(logits[1], logits[0], atol=1e-6, rtol=1e-6)
     for a, b in zip(*grads):  # key/value gradients are summed over the chunks: fp32 rounding only
         torch.testing.assert_close(b, a, atol=1e-6 * a.abs().max().item(), rtol=1e-5)
+    # and it is what model.attn_implementation=sdpa (the default) builds
+    cfg = load_config(TINY, [])
+    assert cfg.model.attn_implementation == "sdpa"
+    built = model_lib.build_meta_model(model_lib.load_model_config(cfg.model, tok), cfg.model)
+    assert built.model.layers[0].self_attn.config._attn_implementation == attention.NAME
 
 
 def positions(n: int, world: int, seed: int, start: int, count: int) -> list[list[int]]:
