@@ -150,15 +150,19 @@ def meta_model(section, strategy: str, env):
     return tokenizer, model_config, model, n_params, optim.no_decay_names(model), pcfg, plan
 
 
+def pair_order(i: int) -> str:
+    """The order of pair i in alternating_pairs."""
+    return "A B" if i % 2 == 0 else "B A"
+
+
 def alternating_pairs(pairs: int, run_a, run_b) -> list[tuple]:
     """[(run_a(i), run_b(i)) for each pair], run in the order A B, B A, A B, ...: load drift and
     first-launch effects touch both sides alike."""
     out = []
     for i in range(pairs):
-        if i % 2 == 0:
-            a = run_a(i)
-            out.append((a, run_b(i)))
+        if pair_order(i) == "A B":
+            a, b = run_a(i), run_b(i)
         else:
-            b = run_b(i)
-            out.append((run_a(i), b))
+            b, a = run_b(i), run_a(i)
+        out.append((a, b))
     return out

@@ -44,8 +44,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (RECIPE, REPO, BenchError, alternating_pairs, best_window_rate, fmt_bytes, median, run, steady_tokens_per_sec,  # noqa: E402
-                    torchrun, train_records, useful_tokens_per_sec)
+from common import (RECIPE, REPO, BenchError, alternating_pairs, best_window_rate, fmt_bytes, median,  # noqa: E402
+                    pair_order, run, steady_tokens_per_sec, torchrun, train_records, useful_tokens_per_sec)
 
 import yaml  # noqa: E402
 
@@ -124,7 +124,7 @@ def bench_overhead(ctx: Ctx) -> dict:
     shape = (f"demo model ({demo['model']['config']['hidden_size']} hidden, "
              f"{demo['model']['config']['num_hidden_layers']} layers), {demo['parallel']['strategy']}, "
              f"seq {demo['data']['seq_len']}, micro-batch {demo['train']['micro_batch_size']}, 2 ranks gloo")
-    rows = [[f"pair {i + 1} ({'A B' if i % 2 == 0 else 'B A'})", f"{a:,.0f}", f"{b:,.0f}", f"{a / b:.3f}",
+    rows = [[f"pair {i + 1} ({pair_order(i)})", f"{a:,.0f}", f"{b:,.0f}", f"{a / b:.3f}",
              f"{r:.3f}"] for i, (a, b, r) in enumerate(zip(recipe, bare, best))]
     rows.append(["**median**", f"{median(recipe):,.0f}", f"{median(bare):,.0f}", f"**{median(ratios_):.3f}**",
                  f"{median(best):.3f}"])
@@ -180,13 +180,13 @@ def bench_trainer(ctx: Ctx) -> dict:
         hf_tok.append(hf_info["trained_tokens"] / (steps - warmup))
         ratios_.append(rate / hf_info["useful_tokens_per_sec"])
         best.append(a_best / best_window_rate(hf_info["step_end_s"], hf_info["step_trained_tokens"], warmup, window))
-    rows = [[f"pair {i + 1} ({'A B' if i % 2 == 0 else 'B A'})", f"{a:,.0f}", f"{b:,.0f}", f"{a / b:.2f}",
+    rows = [[f"pair {i + 1} ({pair_order(i)})", f"{a:,.0f}", f"{b:,.0f}", f"{a / b:.2f}",
              f"{r:.2f}"] for i, (a, b, r) in enumerate(zip(ours, hf, best))]
     rows.append(["**median**", f"{median(ours):,.0f}", f"{median(hf):,.0f}", f"**{median(ratios_):.2f}**",
                  f"{median(best):.2f}"])
     pad = 1 - hf_info["real_tokens"] / hf_info["tokens"]
-    text = table(["run (A = recipe, B = Trainer)", "recipe useful tokens/s", "HF Trainer useful tokens/s", "recipe / Trainer",
-                  f"best {window}-step window, recipe / Trainer"], rows)
+    text = table(["run (A = recipe, B = Trainer)", "recipe useful tokens/s", "HF Trainer useful tokens/s",
+                  "recipe / Trainer", f"best {window}-step window, recipe / Trainer"], rows)
     text += (f"\n\nUseful = label positions that carry a loss (assistant turns), all ranks. Per step (2 ranks x "
              f"micro-batch 8): recipe {median(our_tok):,.0f} trained tokens in 8 packed rows of 256 per rank; "
              f"Trainer {median(hf_tok):,.0f} in 8 padded rows per rank ({pad:.0%} of its positions are padding). "
