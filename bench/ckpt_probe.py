@@ -47,7 +47,7 @@ def main() -> None:
     section = ModelConfig(config=json.loads(args.shape))
     tokenizer, model_config, model, n_params, no_decay, pcfg, plan = meta_model(section, args.strategy, env)
     model = parallelize.parallelize(model, pcfg, plan, distributed.build_mesh(env, 1), env.device)
-    model_lib.load_weights(model, section, model_config, 0, env.device)
+    model_lib.load_weights(model, section, model_config, 0)
     tcfg = TrainConfig()
     opt = optim.build_optimizer(model, tcfg, tcfg.lr, no_decay)
     ids = torch.randint(0, len(tokenizer), (1, 64), generator=torch.Generator().manual_seed(env.rank))

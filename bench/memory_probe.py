@@ -115,7 +115,7 @@ def probe(args) -> None:
     hwm_reset = reset_peak_rss()
     with AnonPeak() as anon:
         model = parallelize.parallelize(model, pcfg, plan, mesh, env.device)
-        model_lib.load_weights(model, section, model_config, 0, env.device)
+        model_lib.load_weights(model, section, model_config, 0)
     after = proc_status()
     dist.barrier()
     params_loaded, _, _ = training_state_bytes(model, args.strategy)

@@ -49,7 +49,7 @@ def main() -> None:
     no_decay = optim.no_decay_names(model)
     plan = parallelize.resolve(cfg.parallel, sum(p.numel() for p in model.parameters()), env.world_size, env.device)
     model = parallelize.parallelize(model, cfg.parallel, plan, distributed.build_mesh(env, 1), env.device)
-    model_lib.load_weights(model, cfg.model, mc, cfg.train.seed, env.device)
+    model_lib.load_weights(model, cfg.model, mc, cfg.train.seed)
     model.train()
     opt = optim.build_optimizer(model, cfg.train, cfg.train.lr, no_decay)
     built = data.build(cfg.data, tok, cfg.train.seed, env.is_main, env.rank, env.world_size)

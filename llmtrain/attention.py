@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 NAME = "llmtrain_sdpa"
 CHUNKS = 4
@@ -42,9 +43,23 @@ def chunked_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 
-def implementation(name: str) -> str:
-    """The attention implementation to build a model with, for model.attn_implementation=`name`."""
-    return NAME if name == "sdpa" else name
+# model.attn_implementation -> the class flag with which transformers says a model supports it.
+SUPPORT_FLAGS = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn",
+                 "flex_attention": "_supports_flex_attn"}
+
+
+def choose(name: str, config) -> tuple[str, str]:
+    """(the attention implementation to build the model with, why) for model.attn_implementation=`name`.
+    A family whose transformers class does not support `name` (Gemma2: its attention logit softcapping has
+    no sdpa form) gets eager, which every family has, rather than transformers' error at build time."""
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    flag = SUPPORT_FLAGS.get(name)
+    if model_class is not None and flag and not getattr(model_class, flag, True):
+        return "eager", (f"eager: {model_class.__name__} does not support model.attn_implementation={name} "
+                         f"(transformers' {flag} is False)")
+    if name == "sdpa":
+        return NAME, "sdpa (llmtrain's chunked sdpa for packed rows)"
+    return name, f"{name} (model.attn_implementation)"
 
 
 AttentionInterface.register(NAME, chunked_sdpa)

@@ -1,11 +1,13 @@
-"""Models and tokenizers from transformers: config, meta-device construction, weight loading that
-does not multiply host RAM by the number of ranks, and recomputation of non-persistent buffers."""
+"""Models and tokenizers from transformers: config, construction with parameters on meta (buffers real),
+weight loading that does not multiply host RAM by the number of ranks, and a check that nothing was left
+uninitialised."""
 
 from __future__ import annotations
 
 import ctypes
 import json
 import re
+import math
 from pathlib import Path
 
 import torch
@@ -16,14 +18,18 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor, distribute_tensor
+from accelerate import init_empty_weights
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PretrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from llmtrain import attention
 from llmtrain.config import ConfigError, ModelConfig
 
 WEIGHTS_INDEX = "model.safetensors.index.json"
 WEIGHTS_FILE = "model.safetensors"
+# config.json "architectures" that are causal LMs (transformers' naming: LlamaForCausalLM, GPT2LMHeadModel).
+CAUSAL_LM_CLASS = re.compile(r"(ForCausalLM|LMHeadModel)$")
 WRAPPER_PARTS = re.compile(r"(^|\.)(module|_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)(?=\.)")
 
 
@@ -39,6 +45,21 @@ def check_paths(section: ModelConfig, tokenizer_path: str | None) -> None:
     if section.path is not None and Path(section.path).is_dir():
         if not (Path(section.path) / "config.json").is_file():
             raise ConfigError(f"model.path: {section.path} has no config.json (not a Hugging Face model directory)")
+        check_causal_lm(section.path)
+
+
+def check_causal_lm(path: str) -> None:
+    """Only decoder-only causal LMs train here: an encoder (BERT), an encoder-decoder (T5), a base model
+    without its LM head (LlamaModel) or a classifier is refused from config.json, before any process group."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    archs = config.get("architectures") or []
+    model_type = config.get("model_type")
+    if config.get("is_encoder_decoder") or (archs and not all(CAUSAL_LM_CLASS.search(a) for a in archs)):
+        raise ConfigError(f"model.path: {path} is a {', '.join(archs) or model_type} (config.json), not a "
+                          "decoder-only causal LM (a ...ForCausalLM); llmtrain fine-tunes causal LMs only")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and "AutoModelForCausalLM" not in config.get("auto_map", {}):
+        raise ConfigError(f"model.path: {path} has model_type {model_type!r}, which transformers has no causal "
+                          "LM class for")
 
 
 def load_tokenizer(path: str, trust_remote_code: bool):
@@ -66,14 +87,16 @@ def load_model_config(section: ModelConfig, tokenizer) -> PretrainedConfig:
     if config.vocab_size < len(tokenizer):
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
                           f"{config.vocab_size}; use a matching tokenizer.path")
-    config._attn_implementation = attention.implementation(section.attn_implementation)
+    config._attn_implementation = attention.choose(section.attn_implementation, config)[0]
     config.use_cache = False
     return config
 
 
 def build_meta_model(config: PretrainedConfig, section: ModelConfig) -> nn.Module:
-    """Structure only: no memory is allocated until the parallelized model is materialized."""
-    with torch.device("meta"):
+    """Parameters on meta (no memory until the parallelized model is materialized); buffers real, as the
+    modules compute them (RoPE inv_freq, Gemma's embed_scale): no checkpoint holds non-persistent buffers,
+    and materialize() keeps these values (a meta build would leave them as garbage after to_empty)."""
+    with init_empty_weights(include_buffers=False):
         # The attention implementation comes with the config (load_model_config set it).
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=section.trust_remote_code,
                                                  dtype=torch.float32)
@@ -188,8 +211,7 @@ def _check_complete(wanted, files: dict[str, Path], config: PretrainedConfig) ->
                           f"({len(missing)} tensors); is this a {config.model_type} checkpoint?")
 
 
-def load_weights(model: nn.Module, section: ModelConfig, config: PretrainedConfig, seed: int,
-                 device: torch.device) -> None:
+def load_weights(model: nn.Module, section: ModelConfig, config: PretrainedConfig, seed: int) -> None:
     """Fill the parallelized (empty) model. Host RAM per rank is its shards plus one tensor (fsdp: one
     unit) in flight: it does not grow with the number of ranks."""
     path = Path(section.path) if section.path is not None else None
@@ -197,7 +219,6 @@ def load_weights(model: nn.Module, section: ModelConfig, config: PretrainedConfi
         _load_fsdp1_units(model, path, config, seed)
     else:
         _load_slices(model, path, config, seed)
-    init_buffers(model, device)
     release_freed_memory()
 
 
@@ -210,16 +231,32 @@ def release_freed_memory() -> None:
         pass
 
 
-def init_buffers(model: nn.Module, device: torch.device) -> None:
-    """`to_empty` leaves non-persistent buffers (RoPE inv_freq) as garbage and no checkpoint holds them:
-    rebuild each module that owns such buffers from its config and copy them over."""
-    for module in model.modules():
-        if not module._non_persistent_buffers_set or not hasattr(module, "config"):
-            continue
-        with torch.device("cpu"):
-            fresh = type(module)(module.config)
-        for name in module._non_persistent_buffers_set:
-            getattr(module, name).copy_(getattr(fresh, name).to(device))
+def materialize(module: nn.Module, device: torch.device, recurse: bool = True) -> None:
+    """to_empty on `device`, then parameters (and any buffer that was on meta) set to NaN, a value no load
+    leaves behind, so that check_initialized finds whatever was never loaded; the real buffers of
+    build_meta_model get their values back. Parameters replaced one by one come out untied: tie again."""
+    mods = module.modules() if recurse else [module]
+    kept = [(m, name, b) for m in mods for name, b in m._buffers.items() if b is not None and not b.is_meta]
+    module.to_empty(device=device, recurse=recurse)
+    with torch.no_grad():
+        for t in [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]:
+            if t.is_floating_point():
+                t.fill_(math.nan)
+        for m, name, b in kept:
+            m._buffers[name].copy_(b)
+
+
+def check_initialized(model: nn.Module) -> None:
+    """Collective. Raise on every rank if any rank holds a NaN parameter or buffer (left unloaded by
+    materialize's fill, or NaN in model.path), naming them: training on garbage is silent otherwise."""
+    bad = [clean_name(name) for name, t in [*model.named_parameters(), *model.named_buffers()]
+           if t.is_floating_point() and torch.isnan(t.to_local() if isinstance(t, DTensor) else t).any()]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, bad[:5])
+    named = sorted({name for names in everyone for name in names})
+    if named:
+        raise FloatingPointError(f"NaN in {', '.join(named)} after loading: never initialised, or NaN in "
+                                 "model.path / the checkpoint; refusing to train")
 
 
 def num_params(config: PretrainedConfig) -> int:

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from llmtrain.config import ConfigError, ParallelConfig
+from llmtrain import model as model_lib
 from llmtrain.model import decoder_layer_classes, decoder_layers, release_freed_memory
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -136,7 +137,7 @@ def apply_fsdp1(model: nn.Module, section: ParallelConfig, plan: Plan, mesh: Dev
 def _materialize_one(module: nn.Module, root: nn.Module, device: torch.device) -> None:
     """FSDP1 materializes unit by unit; once both embeddings are real, tie them again."""
     release_freed_memory()  # the previous unit's full-size tensors, dropped once it was sharded
-    module.to_empty(device=device, recurse=False)
+    model_lib.materialize(module, device, recurse=False)
     inp, out = root.get_input_embeddings(), root.get_output_embeddings()
     if root.config.tie_word_embeddings and out is not None and not (inp.weight.is_meta or out.weight.is_meta):
         root.tie_weights()
@@ -144,7 +145,7 @@ def _materialize_one(module: nn.Module, root: nn.Module, device: torch.device) -
 
 def materialize(model: nn.Module, device: torch.device) -> None:
     """to_empty replaces meta parameters one by one, which unties tied embeddings: tie them again."""
-    model.to_empty(device=device)
+    model_lib.materialize(model, device)
     model.tie_weights()
 
 
@@ -173,6 +174,15 @@ def parallelize(model: nn.Module, section: ParallelConfig, plan: Plan, mesh: Dev
     else:
         materialize(model, device)
     return model
+
+
+def describe(model: nn.Module, plan: Plan) -> str:
+    """What was wrapped, for the start-up log: e.g. `fsdp2: 24 x Qwen3DecoderLayer + root`."""
+    layers = decoder_layers(model)
+    blocks = f"{len(layers)} x {type(layers[0]).__name__}"
+    if plan.strategy in ("fsdp", "fsdp2"):
+        return f"{plan.strategy}: {blocks} + root"
+    return f"{plan.strategy}: whole model ({blocks})"
 
 
 def unwrap(model: nn.Module) -> nn.Module:

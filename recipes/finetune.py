@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 from llmtrain import checkpoint, data, distributed, model as model_lib, optim, parallelize  # noqa: E402
 from llmtrain.config import Config, ConfigError, describe, load_config, to_yaml  # noqa: E402
-from llmtrain import launch, preflight  # noqa: E402
+from llmtrain import attention, launch, preflight  # noqa: E402
 from llmtrain import loss as loss_lib  # noqa: E402
 from llmtrain.step import train_step  # noqa: E402
 from llmtrain import metrics as metrics_lib  # noqa: E402
@@ -92,10 +92,8 @@ def train(cfg: Config, env: distributed.DistEnv) -> torch.nn.Module:
     plan = parallelize.resolve(cfg.parallel, n_params, env.world_size, env.device)
     mesh = distributed.build_mesh(env, cfg.parallel.replicate)
     model = parallelize.parallelize(model, cfg.parallel, plan, mesh, env.device)
-    if checkpoint.resume_path(cfg.checkpoint, cfg.output_dir) is None:
-        model_lib.load_weights(model, cfg.model, model_config, cfg.train.seed, env.device)
-    else:  # the checkpoint holds every weight: reading model.path as well would be wasted I/O
-        model_lib.init_buffers(model, env.device)
+    if checkpoint.resume_path(cfg.checkpoint, cfg.output_dir) is None:  # else the checkpoint holds every weight
+        model_lib.load_weights(model, cfg.model, model_config, cfg.train.seed)
     model.train()
     distributed.seed_everything(cfg.train.seed + env.rank)  # per-rank dropout; the init above is shared
 
@@ -106,10 +104,13 @@ def train(cfg: Config, env: distributed.DistEnv) -> torch.nn.Module:
     ckpt = checkpoint.CheckpointManager(cfg.checkpoint, cfg.output_dir, model, opt, env.rank, to_yaml(cfg),
                                         model_config, tokenizer)
     state = ckpt.resume() or checkpoint.TrainState(global_batch=global_batch, world_size=env.world_size)
+    model_lib.check_initialized(model)  # every parameter loaded (from model.path or the checkpoint)
     metrics = MetricsLogger(cfg.output_dir, env.is_main, cfg.train.max_steps, state.step, cfg.log.progress,
                             append=state.step > 0, section=cfg.log, run_config=cfg)
     metrics.info(f"model: {n_params / 1e6:.2f}M parameters | {env.world_size} x {env.device.type} "
                  f"({env.backend}) | strategy {plan.strategy} ({plan.reason}) | {cfg.parallel.mixed_precision}")
+    _, attn_why = attention.choose(cfg.model.attn_implementation, model_config)
+    metrics.info(f"{parallelize.describe(model, plan)} | attention {attn_why}")
     if state.step > 0:
         metrics.info(f"resumed at step {state.step} ({state.samples_seen} samples seen)")
     if env.is_main:
