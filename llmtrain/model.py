@@ -100,6 +100,7 @@ def build_meta_model(config: PretrainedConfig, section: ModelConfig) -> nn.Modul
         # The attention implementation comes with the config (load_model_config set it).
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=section.trust_remote_code,
                                                  dtype=torch.float32)
+    model.tie_weights()  # init_empty_weights re-creates each parameter on meta, which unties them
     return model
 
 

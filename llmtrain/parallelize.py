@@ -179,7 +179,9 @@ def parallelize(model: nn.Module, section: ParallelConfig, plan: Plan, mesh: Dev
 def describe(model: nn.Module, plan: Plan) -> str:
     """What was wrapped, for the start-up log: e.g. `fsdp2: 24 x Qwen3DecoderLayer + root`."""
     layers = decoder_layers(model)
-    blocks = f"{len(layers)} x {type(layers[0]).__name__}"
+    # fully_shard swaps a layer's class for a subclass FSDP<name> made in torch.distributed: name the model's.
+    block = next(c for c in type(layers[0]).__mro__ if not c.__module__.startswith("torch.distributed"))
+    blocks = f"{len(layers)} x {block.__name__}"
     if plan.strategy in ("fsdp", "fsdp2"):
         return f"{plan.strategy}: {blocks} + root"
     return f"{plan.strategy}: whole model ({blocks})"

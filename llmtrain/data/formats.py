@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+from jinja2 import TemplateError
+
 from llmtrain.config import DataConfig
 
 IGNORE = -100
@@ -90,12 +92,15 @@ def encode_chat(record: dict, section: DataConfig, tokenizer) -> tuple[list[int]
     same rendering: from its {% generation %} blocks when it has them, else by locating each assistant
     message in the rendered text (token offsets), plus the end-of-turn token that closes it."""
     messages = chat_messages(record, section)
-    if GENERATION_BLOCK.search(tokenizer.chat_template):
-        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True)
-        ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
-    else:
-        ids, mask = _mask_by_offsets(messages, tokenizer)
+    try:
+        if GENERATION_BLOCK.search(tokenizer.chat_template):
+            out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                return_assistant_tokens_mask=True)
+            ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+        else:
+            ids, mask = _mask_by_offsets(messages, tokenizer)
+    except TemplateError as e:  # the family's own rule, e.g. Gemma2 and Mistral have no system role
+        raise BadRecord(f"the chat template refuses this conversation: {e}") from None
     if not any(mask):
         raise BadRecord("the chat template rendered no assistant tokens")
     labels = list(ids) if section.train_on_prompt else [t if m else IGNORE for t, m in zip(ids, mask)]

@@ -1,0 +1,126 @@
+"""Every family x ddp/fsdp/fsdp2 in one process group, through the library functions the recipe calls (meta
+build -> parallelize -> load_weights -> check_initialized -> train_step -> export_hf), measured against
+transformers' from_pretrained of the same directory. Rank 0 writes the numbers as JSON for
+tests/test_families.py to assert on.  Usage: torchrun --nproc_per_node=2 family_matrix.py ROOT OUT.json
+(ROOT/<family> are directories made by tests/families.py)."""
+
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from families import FAMILIES  # noqa: E402
+from llmtrain import checkpoint, distributed, model as model_lib, optim, parallelize  # noqa: E402
+from llmtrain.config import DistributedConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
+from llmtrain.data.formats import IGNORE  # noqa: E402
+from llmtrain.step import train_step  # noqa: E402
+
+STRATEGIES = ["ddp", "fsdp", "fsdp2"]
+STEPS, ROWS, SEQ, SPLIT = 3, 4, 32, 20  # global batch ROWS rows of two packed documents (SPLIT + SEQ - SPLIT)
+
+
+def global_batch(vocab: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(6, vocab, (ROWS, SEQ), generator=torch.Generator().manual_seed(0))
+    positions = torch.cat([torch.arange(SPLIT), torch.arange(SEQ - SPLIT)]).expand(ROWS, SEQ)
+    labels = ids.clone()
+    labels[:, SPLIT] = IGNORE  # the second document's first token is not predicted from the first
+    return {"input_ids": ids, "position_ids": positions.contiguous(), "labels": labels}
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+
+
+def run(family_dir: Path, strategy: str, env, mesh, out: Path) -> dict:
+    section = ModelConfig(path=str(family_dir))
+    tokenizer = model_lib.load_tokenizer(section.path, False)
+    config = model_lib.load_model_config(section, tokenizer)
+    reference = AutoModelForCausalLM.from_pretrained(family_dir, dtype=torch.float32)
+    model = model_lib.build_meta_model(config, section)
+    no_decay = optim.no_decay_names(model)
+    pcfg = ParallelConfig(strategy=strategy)
+    plan = parallelize.resolve(pcfg, sum(p.numel() for p in model.parameters()), env.world_size, env.device)
+    model = parallelize.parallelize(model, pcfg, plan, mesh, env.device)
+    model_lib.load_weights(model, section, config, seed=0)
+    model_lib.check_initialized(model)
+    result = {"describe": parallelize.describe(model, plan)}
+    # Before any forward, as in the recipe: FSDP2 leaves the last layer's gathered parameters registered
+    # after a forward, and an optimizer built then would update those copies.
+    train = TrainConfig(lr=1e-3, weight_decay=0.1, max_steps=STEPS)
+    opt = optim.build_optimizer(model, train, train.lr, no_decay)
+
+    # The loaded model equals from_pretrained's: every parameter (gathered) and buffer (on every rank).
+    ref_buffers = {name: b for name, b in reference.named_buffers()}
+    buffer_diff = torch.tensor(max(max_diff(b, ref_buffers[model_lib.clean_name(n)]) for n, b in model.named_buffers()))
+    result["buffer_diff"] = distributed.all_reduce(buffer_diff, dist.ReduceOp.MAX).item()
+    full = checkpoint.full_state_dict(model, strategy, env.device)
+    if env.is_main:
+        ref_state = reference.state_dict()
+        assert full.keys() <= ref_state.keys(), sorted(full.keys() - ref_state.keys())
+        result["param_diff"] = max(max_diff(t, ref_state[n]) for n, t in full.items())
+        result["param_names"] = len(full)
+
+    batch = global_batch(config.vocab_size)
+    local = {k: v[env.rank * ROWS // env.world_size:(env.rank + 1) * ROWS // env.world_size] for k, v in batch.items()}
+    with torch.no_grad():
+        first = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
+        ref_first = reference(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
+    result["first_logits_diff"] = distributed.all_reduce(torch.tensor(max_diff(first, ref_first)),
+                                                         dist.ReduceOp.MAX).item()
+
+    model.train()
+    result["losses"] = [train_step(model, plan, [local], opt, None, 1.0, env.device, env.world_size)[0]
+                        for _ in range(STEPS)]
+
+    # The export reproduces the trained model's logits in transformers.
+    export_dir = out / f"{family_dir.name}_{strategy}"
+    checkpoint.export_hf(model, strategy, env.device, export_dir, config, tokenizer)
+    model.eval()
+    probe = batch["input_ids"][:2]
+    with torch.no_grad():
+        trained = model(input_ids=probe, use_cache=False).logits
+    if env.is_main:
+        exported = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
+        with torch.no_grad():
+            result["export_logits_diff"] = max_diff(exported(input_ids=probe).logits, trained)
+    return result
+
+
+def meta_buffers_refused(family_dir: Path, env, mesh) -> str:
+    """Built the old way (buffers on meta too), Gemma3's embed_scale and RoPE inv_freq are never loaded:
+    check_initialized must refuse, on every rank. Returns its message."""
+    section = ModelConfig(path=str(family_dir))
+    config = model_lib.load_model_config(section, model_lib.load_tokenizer(section.path, False))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    pcfg = ParallelConfig(strategy="fsdp2")
+    model = parallelize.parallelize(model, pcfg, parallelize.resolve(pcfg, 0, env.world_size, env.device), mesh,
+                                    env.device)
+    model_lib.load_weights(model, section, config, seed=0)
+    try:
+        model_lib.check_initialized(model)
+    except FloatingPointError as e:
+        return str(e)
+    return "not refused"
+
+
+def main() -> None:
+    root, out_json = Path(sys.argv[1]), Path(sys.argv[2])
+    env = distributed.init(DistributedConfig())
+    mesh = distributed.build_mesh(env, 1)
+    results = {f: {s: run(root / f, s, env, mesh, root) for s in STRATEGIES} for f in FAMILIES}
+    results["meta_buffers_refused"] = meta_buffers_refused(root / "gemma3", env, mesh)
+    if env.is_main:
+        out_json.write_text(json.dumps(results, indent=1))
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
+    distributed.hard_exit(0)
