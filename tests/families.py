@@ -19,6 +19,14 @@ CHATML = ("{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' 
           "{%- endif %}{%- for message in messages %}{%- if message['role'] != 'system' or not loop.first %}"
           "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{%- endif %}"
           "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+# Qwen3's, without tools: no default system prompt; the last answer gets an empty reasoning block.
+QWEN3 = ("{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + "
+         "'<|im_end|>\\n' }}{%- endif %}{%- for message in messages %}{%- if message['role'] == 'user' or "
+         "(message['role'] == 'system' and not loop.first) %}{{- '<|im_start|>' + message['role'] + '\\n' + "
+         "message['content'] + '<|im_end|>\\n' }}{%- elif message['role'] == 'assistant' %}"
+         "{{- '<|im_start|>assistant\\n' }}{%- if loop.last %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+         "{{- message['content'] + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}"
+         "{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 GEMMA3 = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set first_user_prefix = messages[0]['content']"
           " + '\\n\\n' %}{% set loop_messages = messages[1:] %}{% else %}{% set first_user_prefix = '' %}"
           "{% set loop_messages = messages %}{% endif %}{% for message in loop_messages %}"
@@ -47,7 +55,7 @@ MISTRAL = ("{{ bos_token }}{% for message in messages %}{% if (message['role'] =
 CHAT = {  # family -> (template, its special tokens); None: the bundled Llama-3-style template
     "llama": (None, []), "llama_tied": (None, []),
     "mistral": (MISTRAL, []),
-    "qwen2": (CHATML, ["<|im_start|>", "<|im_end|>"]), "qwen3": (CHATML, ["<|im_start|>", "<|im_end|>"]),
+    "qwen2": (CHATML, ["<|im_start|>", "<|im_end|>"]), "qwen3": (QWEN3, ["<|im_start|>", "<|im_end|>", "<think>", "</think>"]),
     "gemma2": (GEMMA2, ["<start_of_turn>", "<end_of_turn>"]), "gemma3": (GEMMA3, ["<start_of_turn>", "<end_of_turn>"]),
     "phi3": (PHI3, ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]),
 }

@@ -47,7 +47,7 @@ def test_family_loads_as_from_pretrained_and_trains_alike_under_every_strategy(m
         assert r["losses"][-1] < r["losses"][0], (strategy, r)
     assert runs["fsdp"]["losses"] == pytest.approx(runs["ddp"]["losses"], abs=TOL)
     assert runs["fsdp2"]["losses"] == pytest.approx(runs["ddp"]["losses"], abs=TOL)
-    block = {"llama_tied": "Llama", "gemma3": "Gemma3", "qwen2": "Qwen2", "phi3": "Phi3"}.get(family, family.title())
+    block = family.split("_")[0].title()  # llama_tied -> Llama, qwen3 -> Qwen3
     assert runs["fsdp2"]["describe"] == f"fsdp2: 2 x {block}DecoderLayer + root"
     assert runs["ddp"]["describe"] == f"ddp: whole model (2 x {block}DecoderLayer)"
 
@@ -97,6 +97,8 @@ def test_chat_trains_assistant_turns_and_their_end_of_turn_only(family_dirs, fam
         assert "<start_of_turn>user\nBe brief.\n\nWhat is 2+3?<end_of_turn>" in rendered
     else:
         assert "Be brief." in rendered
+    if family == "qwen3":  # the template's empty reasoning block before the last answer: there, not trained
+        assert "<|im_start|>assistant\n<think>\n\n</think>\n\nEight, that is 8.<|im_end|>" in rendered
 
 
 def test_flops_count_attention_width_and_tied_embeddings_once():
