@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import ctypes
 import json
-import re
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -235,7 +235,7 @@ def release_freed_memory() -> None:
 def materialize(module: nn.Module, device: torch.device, recurse: bool = True) -> None:
     """to_empty on `device`, then parameters (and any buffer that was on meta) set to NaN, a value no load
     leaves behind, so that check_initialized finds whatever was never loaded; the real buffers of
-    build_meta_model get their values back. Parameters replaced one by one come out untied: tie again."""
+    build_meta_model get their values back. to_empty unties tied embeddings: the caller ties them again."""
     mods = module.modules() if recurse else [module]
     kept = [(m, name, b) for m in mods for name, b in m._buffers.items() if b is not None and not b.is_meta]
     module.to_empty(device=device, recurse=recurse)
@@ -248,8 +248,9 @@ def materialize(module: nn.Module, device: torch.device, recurse: bool = True) -
 
 
 def check_initialized(model: nn.Module) -> None:
-    """Collective. Raise on every rank if any rank holds a NaN parameter or buffer (left unloaded by
-    materialize's fill, or NaN in model.path), naming them: training on garbage is silent otherwise."""
+    """Collective. Raise on every rank if any rank holds a NaN parameter or buffer (never loaded since
+    materialize's NaN fill, or NaN in model.path / the checkpoint), naming them: training on garbage
+    would otherwise go unnoticed (Gemma's embed_scale did)."""
     bad = [clean_name(name) for name, t in [*model.named_parameters(), *model.named_buffers()]
            if t.is_floating_point() and torch.isnan(t.to_local() if isinstance(t, DTensor) else t).any()]
     everyone = [None] * dist.get_world_size()
