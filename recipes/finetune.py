@@ -86,6 +86,7 @@ def train(cfg: Config, env: distributed.DistEnv) -> torch.nn.Module:
     # Model: built on meta, sharded/wrapped, then each rank reads only its own slices of the weights.
     tokenizer = model_lib.load_tokenizer(cfg.tokenizer.path or cfg.model.path, cfg.model.trust_remote_code)
     model_config = model_lib.load_model_config(cfg.model, tokenizer)
+    model_lib.check_seq_len(model_config, cfg.data.seq_len)
     model = model_lib.build_meta_model(model_config, cfg.model)
     n_params = sum(p.numel() for p in model.parameters())
     no_decay = optim.no_decay_names(model)
