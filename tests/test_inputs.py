@@ -148,3 +148,19 @@ def test_recipe_stops_with_one_line(tmp_path, truncated_model):
         assert res.returncode == 2, (name, res.stderr[-3000:])
         assert "Traceback" not in res.stderr, (name, res.stderr[-3000:])
         assert len(re.findall(cases[name][1], res.stderr)) == 1, (name, res.stderr[-3000:])
+
+
+def test_a_torn_metrics_line_is_read_past_and_cut_before_appending(tmp_path):
+    """A run killed while writing metrics.jsonl leaves half a record: plot reads past it, and the resumed run
+    cuts it before appending, so every line is a record again."""
+    from llmtrain import plot
+    from llmtrain.metrics import MetricsLogger
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    assert [r["step"] for r in plot.read_records(path)] == [1]
+    logger = MetricsLogger(str(tmp_path), True, 10, 1, False, append=True)
+    logger.log({"step": 2, "loss": 1.5})
+    logger.close()
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [{"step": 1, "loss": 2.0},
+                                                                            {"step": 2, "loss": 1.5}]
