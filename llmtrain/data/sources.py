@@ -30,7 +30,6 @@ class Part:
     """One loaded piece of a data path: a file, a saved dataset or a Hub dataset; `rows` records."""
     name: str
     rows: int
-    numbered: bool = False  # read line by line: every record carries its line (the LINE column)
 
     def where(self, index: int) -> str:
         """The record at `index` (0-based, within this part) as a user finds it in the file."""
@@ -206,7 +205,7 @@ def _load_file(path: str, builder: str):
         quiet.setLevel(level)
     st = os.stat(path)  # in the cache key: a changed file is read again
     ds = Dataset.from_generator(read_lines, gen_kwargs={"files": [path], "stamp": (st.st_size, st.st_mtime_ns)})
-    return ds, Part(path, len(ds), numbered=True)
+    return ds, Part(path, len(ds))  # its rows name their lines
 
 
 def read_lines(files: list[str], stamp: tuple = ()):
