@@ -16,7 +16,7 @@ from transformers import AutoTokenizer, GPT2Config, LlamaConfig, LlamaForCausalL
 from conftest import REPO, TINY, finish, start
 from llmtrain import model as model_lib
 from llmtrain.config import ConfigError, DataConfig, ModelConfig
-from llmtrain.data import MapSteps, build, check
+from llmtrain.data import MapSteps, StreamingRows, build, check
 
 TOKENIZER = REPO / "assets" / "tokenizer"
 GOOD = "".join(json.dumps({"text": f"the red ball number {i}"}) + "\n" for i in range(100))
@@ -56,6 +56,14 @@ def test_a_bad_line_is_skipped_or_stops_naming_its_line(tmp_path, tok, bad_line,
     assert f"the first at {path}, line 101: " in built.stats.summary()
     with pytest.raises(ConfigError, match=rf"^{path}, line 101: {reason}"):
         build(DataConfig(path=path, seq_len=16, strict=True), tok, seed=0)
+
+
+def test_streaming_names_a_bad_line_too(tmp_path, tok):
+    path = write(tmp_path / "data.jsonl", GOOD + '{"text": oops\n' + GOOD)
+    rows = list(StreamingRows(DataConfig(path=path, seq_len=16, streaming=True), tok, 0, 0, 1).rows(0))
+    assert len(rows) > 0
+    with pytest.raises(ConfigError, match=rf"^{path}, line 101: malformed JSON"):
+        list(StreamingRows(DataConfig(path=path, seq_len=16, streaming=True, strict=True), tok, 0, 0, 1).rows(0))
 
 
 def test_bad_record_line_counts_blank_lines(tmp_path, tok):
