@@ -220,6 +220,12 @@ def _set_aside(path: Path) -> Path:
     return aside
 
 
+def _unverified_warning(path: Path) -> Path:
+    if not (path / MANIFEST).is_file():
+        _warn(f"{path} has no {MANIFEST} (saved by an older llmtrain): resuming from it unverified")
+    return path
+
+
 def choose_resume(section: CheckpointConfig, output_dir: str | Path) -> Path | None:
     """Collective: the verified checkpoint to resume from, or None to start fresh. resume=auto skips (with a
     warning) every newer checkpoint that fails verification and sets it aside as step_<N>.corrupt; an explicit
@@ -231,16 +237,14 @@ def choose_resume(section: CheckpointConfig, output_dir: str | Path) -> Path | N
         if problems := verify(path):
             raise ConfigError(f"checkpoint.resume: {path} fails verification: {'; '.join(problems[:3])}; use "
                               "another checkpoint (or checkpoint.resume=auto to take the newest intact one)")
-        return path
+        return _unverified_warning(path)
     root = Path(output_dir) / "checkpoints"
     candidates = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name))) \
         if root.is_dir() else []
     for _, path in reversed(candidates):
         problems = verify(path)
         if not problems:
-            if not (path / MANIFEST).is_file():
-                _warn(f"{path} has no {MANIFEST} (saved by an older llmtrain): resuming from it unverified")
-            return path
+            return _unverified_warning(path)
         aside = None
         if dist.get_rank() == 0:
             aside = _set_aside(path)
