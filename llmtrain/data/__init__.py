@@ -95,9 +95,20 @@ def _where(index: int, examples, parts: list[sources_lib.Part]) -> str:
 
 
 def _examples(path: str, fmt: str, key: str, section: DataConfig, tokenizer, stats: Stats):
-    ds, parts = sources_lib.load(path, key)
-    ds = ds.map(_encode_batch, batched=True, remove_columns=ds.column_names, desc=f"tokenize {Path(path).name}",
-                fn_kwargs={"section": section, "fmt": fmt, "tokenizer": tokenizer})
+    from datasets import concatenate_datasets
+
+    def encode(ds, name: str):
+        return ds.map(_encode_batch, batched=True, remove_columns=ds.column_names, desc=f"tokenize {name}",
+                      fn_kwargs={"section": section, "fmt": fmt, "tokenizer": tokenizer})
+
+    encoded, parts = [], []
+    for ds, part in sources_lib.load(path, key):
+        try:
+            encoded.append(encode(ds, Path(part.name).name))
+        except UnicodeDecodeError:  # pyarrow keeps JSON strings' bytes unchecked until they are read as text
+            encoded.append(encode(sources_lib.read_numbered(part.name), Path(part.name).name))
+        parts.append(sources_lib.Part(part.name, len(encoded[-1])))
+    ds = concatenate_datasets(encoded) if len(encoded) > 1 else encoded[0]
     errors = ds["error"]
     bad = [i for i, e in enumerate(errors) if e]
     if bad:
@@ -191,8 +202,7 @@ class StreamingRows:
         self.section, self.tokenizer = section, tokenizer
         parts = []
         for i, src in enumerate(sources(section)):
-            ds, _ = sources_lib.load(src.path, f"data.sources[{i}].path" if section.sources else "data.path",
-                                     streaming=True)
+            ds = sources_lib.load_stream(src.path, f"data.sources[{i}].path" if section.sources else "data.path")
             parts.append((ds, src.format))
         streams = [ds.map(lambda r, f=fmt: {"__format": f}) for ds, fmt in parts]
         if len(streams) > 1:

@@ -8,7 +8,6 @@ record of its own, named by its 1-based line number, that data.strict decides ab
 
 from __future__ import annotations
 
-import codecs
 import glob
 import json
 import logging
@@ -101,18 +100,6 @@ def _starts_with(path: str, prefix: bytes) -> bool:
     return False
 
 
-def _is_utf8(path: str) -> bool:
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    try:
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 24):
-                decoder.decode(chunk)
-        decoder.decode(b"", final=True)
-    except UnicodeDecodeError:
-        return False
-    return True
-
-
 def _nth_record_line(path: str, index: int) -> int:
     """1-based line of the index-th non-blank line (only called to name a bad record)."""
     seen = -1
@@ -150,62 +137,85 @@ def _check_hub(path: str, key: str) -> None:
                           f"it cannot be fetched: the Hub is unreachable ({first}); {local}") from None
 
 
-def load(path: str, key: str, streaming: bool = False):
-    """(dataset, parts): a datasets.Dataset (or IterableDataset when streaming) and what it is made of."""
-    from datasets import DatasetDict, concatenate_datasets, load_dataset, load_from_disk
+def load(path: str, key: str) -> list[tuple[object, Part]]:
+    """Map-style: (datasets.Dataset, Part) per file (so a bad record is named by file and line), or one for a
+    saved or Hub dataset."""
+    from datasets import load_dataset
 
     if is_saved_dataset(Path(path)):
-        ds = load_from_disk(path)
-        if isinstance(ds, DatasetDict):
-            if "train" not in ds and len(ds) != 1:
-                raise ConfigError(f"{key}: {path} is a saved DatasetDict without a 'train' split (it has "
-                                  f"{', '.join(ds)}); point {key} at {path}/<split>")
-            ds = ds["train"] if "train" in ds else next(iter(ds.values()))
-        return (ds.to_iterable_dataset() if streaming else ds), [Part(path, len(ds))]
+        ds = _load_saved(path, key)
+        return [(ds, Part(path, len(ds)))]
     if is_hub_id(path):
-        try:
-            ds = load_dataset(path, split="train", streaming=streaming)
-        except Exception as e:  # noqa: BLE001 - named below; load_dataset raises many kinds
-            raise ConfigError(f"{key}: cannot load Hub dataset {path!r} (split 'train'): {type(e).__name__}: "
-                              f"{(str(e).strip().splitlines() or [''])[0][:300]}") from None
-        return ds, [Part(path, 0 if streaming else len(ds))]
+        ds = _load_hub(path, key, streaming=False)
+        return [(ds, Part(path, len(ds)))]
     files = resolve_files(path, key)
     builder = BUILDERS[Path(files[0]).suffix]
-    if streaming:
-        if builder == "json":  # numbered lines: a bad one is named and skipped, not a pyarrow traceback
-            from datasets import IterableDataset
-
-            return IterableDataset.from_generator(read_lines, gen_kwargs={"files": files}), []
-        return load_dataset(builder, data_files=files, split="train", streaming=True), []
-    # One dataset per file, so a bad record can be named by file and line.
-    loaded = [_load_file(f, builder) for f in files]
-    parts = [p for _, p in loaded]
-    datasets = [d for d, _ in loaded]
-    return concatenate_datasets(datasets) if len(datasets) > 1 else datasets[0], parts
-
-
-def _load_file(path: str, builder: str):
-    from datasets import Dataset, load_dataset
-
+    loaded = []
     # datasets logs its own error for a file pyarrow cannot parse; here that file is read line by line instead.
     quiet = logging.getLogger("datasets.packaged_modules.json.json")
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)
     try:
-        ds = load_dataset(builder, data_files=path, split="train")
-        if builder != "json" or _is_utf8(path):  # pyarrow reads JSON strings without checking their bytes
-            return ds, Part(path, len(ds))
-    except Exception as e:  # noqa: BLE001 - pyarrow, decoding and generation errors: named below
-        cause = e.__cause__ or e
-        reason = f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0][:300]}"
-        if builder != "json" or _starts_with(path, b"["):
-            raise ConfigError(f"{path}: cannot be read as {builder} ({reason}); check the file's format and "
-                              "encoding (UTF-8)") from None
+        for f in files:
+            try:
+                ds = load_dataset(builder, data_files=f, split="train")
+            except Exception as e:  # noqa: BLE001 - pyarrow, decoding and generation errors: named below
+                cause = e.__cause__ or e
+                if builder != "json" or _starts_with(f, b"["):
+                    raise ConfigError(f"{f}: cannot be read as {builder} ({type(cause).__name__}: "
+                                      f"{(str(cause).strip().splitlines() or [''])[0][:300]}); check the file's "
+                                      "format and encoding (UTF-8)") from None
+                ds = read_numbered(f)
+            loaded.append((ds, Part(f, len(ds))))
     finally:
         quiet.setLevel(level)
+    return loaded
+
+
+def load_stream(path: str, key: str):
+    """Streaming: one datasets.IterableDataset. JSON Lines are read as numbered lines, so a bad one is
+    named and skipped (or stops the run) instead of a pyarrow traceback."""
+    from datasets import IterableDataset, load_dataset
+
+    if is_saved_dataset(Path(path)):
+        return _load_saved(path, key).to_iterable_dataset()
+    if is_hub_id(path):
+        return _load_hub(path, key, streaming=True)
+    files = resolve_files(path, key)
+    builder = BUILDERS[Path(files[0]).suffix]
+    if builder == "json":
+        return IterableDataset.from_generator(read_lines, gen_kwargs={"files": files})
+    return load_dataset(builder, data_files=files, split="train", streaming=True)
+
+
+def _load_saved(path: str, key: str):
+    from datasets import DatasetDict, load_from_disk
+
+    ds = load_from_disk(path)
+    if isinstance(ds, DatasetDict):
+        if "train" not in ds and len(ds) != 1:
+            raise ConfigError(f"{key}: {path} is a saved DatasetDict without a 'train' split (it has "
+                              f"{', '.join(ds)}); point {key} at {path}/<split>")
+        ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+    return ds
+
+
+def _load_hub(path: str, key: str, streaming: bool):
+    from datasets import load_dataset
+
+    try:
+        return load_dataset(path, split="train", streaming=streaming)
+    except Exception as e:  # noqa: BLE001 - named below; load_dataset raises many kinds
+        raise ConfigError(f"{key}: cannot load Hub dataset {path!r} (split 'train'): {type(e).__name__}: "
+                          f"{(str(e).strip().splitlines() or [''])[0][:300]}") from None
+
+
+def read_numbered(path: str):
+    """A JSON Lines file as numbered lines (read_lines), cached like any dataset."""
+    from datasets import Dataset
+
     st = os.stat(path)  # in the cache key: a changed file is read again
-    ds = Dataset.from_generator(read_lines, gen_kwargs={"files": [path], "stamp": (st.st_size, st.st_mtime_ns)})
-    return ds, Part(path, len(ds))  # its rows name their lines
+    return Dataset.from_generator(read_lines, gen_kwargs={"files": [path], "stamp": (st.st_size, st.st_mtime_ns)})
 
 
 def read_lines(files: list[str], stamp: tuple = ()):
