@@ -178,9 +178,10 @@ def own_files(root: Path, rank: int) -> list[str]:
 
 
 def verify(path: Path) -> list[str]:
-    """Collective: what is wrong with checkpoint `path` ([] if nothing); every rank gets the same list. Each
-    rank checks every world_size-th file of the manifest (size, then hash), so the reading is shared."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    """Collective when a process group exists: what is wrong with checkpoint `path` ([] if nothing); every
+    rank gets the same list. Each rank checks every world_size-th file of the manifest (size, then hash), so
+    the reading is shared."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     problems = []
     if not (path / ".metadata").is_file():
         problems.append("no .metadata (DCP's index of the shards): the save did not finish")
@@ -199,8 +200,9 @@ def verify(path: Path) -> list[str]:
                 problems.append(f"{name} is {file.stat().st_size} bytes, {want['size']} when saved (truncated?)")
             elif file_digest(file)[HASH] != want[HASH]:
                 problems.append(f"{name} has changed since it was saved ({HASH} differs)")
-    gathered: list[list[str]] = [None] * world  # type: ignore[list-item]
-    dist.all_gather_object(gathered, problems)
+    gathered: list[list[str]] = [problems] * world
+    if dist.is_initialized():
+        dist.all_gather_object(gathered, problems)
     return sorted({p for ps in gathered for p in ps})
 
 

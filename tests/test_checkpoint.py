@@ -21,6 +21,7 @@ from conftest import (RECIPE, TINY, TWO_RANKS, finish, launch, losses, losses_by
                       wait_for_step, worker_pids)
 from llmtrain.checkpoint import check_writable, complete_checkpoints
 from llmtrain.config import ConfigError
+from llmtrain.convert import convert
 
 TOL = 2e-5
 SIX = ("train.max_steps=6", "checkpoint.every_steps=3")
@@ -279,3 +280,5 @@ def test_corrupt_checkpoints_are_skipped_kept_and_named(tmp_path, fsdp2_run):
                                                                                       abs=TOL)
     assert sorted(p.name for p in ck.iterdir()) == ["step_3", "step_6", "step_6.corrupt", "step_9.corrupt"]
     assert (ck / "step_6.corrupt" / "__1_0.distcp").stat().st_size == 100
+    with pytest.raises(SystemExit, match=r"step_6.corrupt fails verification: __1_0.distcp is 100 bytes"):
+        convert(ck / "step_6.corrupt", tmp_path / "hf", "fp32", "5GB")  # the offline converter verifies too
