@@ -4,9 +4,10 @@
 
 An FSDP2 model from an inline Llama config (random init), AdamW after one step (so the optimizer
 state exists), then, all timed between barriers on rank 0:
-  save    CheckpointManager.save (DCP, every rank writes its shards, fsync, publish by rename)
-  load    a fresh CheckpointManager(resume=auto).resume() into the same model and optimizer
-          (DCP read + set_state_dict; the files were just written, so they are in the page cache)
+  save    CheckpointManager.save (DCP, every rank writes and hashes its shards, fsync, publish by rename)
+  load    checkpoint.choose_resume (resume=auto: verify sizes and hashes) + CheckpointManager.resume into
+          the same model and optimizer (DCP read + set_state_dict; the files were just written, so they
+          are in the page cache)
   export  checkpoint.export_hf (gather to rank 0, safetensors fp32 + config + tokenizer)
 """
 
@@ -71,7 +72,7 @@ def main() -> None:
     shards = sum(f.stat().st_size for f in ckpt.iterdir() if f.is_file() and f.suffix == ".distcp")
     total = du(ckpt)
     resumed = []  # checkpoint.resume=auto (the default) loads the step just saved
-    load_s = timed(lambda: resumed.append(manager.resume()))
+    load_s = timed(lambda: resumed.append(manager.resume(checkpoint.choose_resume(manager.section, out_dir))))
     assert resumed[0] is not None and resumed[0].step == 1, resumed
     hf = args.dir / "hf"
     export_s = timed(lambda: checkpoint.export_hf(model, plan.strategy, env.device, hf, model_config, tokenizer))

@@ -5,6 +5,7 @@ writes safetensors + config + tokenizer into a temporary directory, also publish
 
 Layout of output_dir/checkpoints/step_<N>/ (complete once renamed from step_<N>.tmp):
     .metadata, __*_*.distcp   DCP shards: {"model": ..., "optim": ...}
+    manifest.json             size and xxh3_64 hash of every other file, checked before a resume
     trainer_state.json        step, samples_seen, tokens_seen, global_batch, world_size, ... (written last)
     rng_rank<R>.json          per-rank RNG states
     config.yaml               the llmtrain config of the run
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import base64
 import json
+import sys
+from concurrent.futures import ThreadPoolExecutor
 import random
 import re
 import shutil
@@ -34,6 +37,8 @@ from llmtrain.model import WEIGHTS_FILE, WEIGHTS_INDEX
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"
+MANIFEST = "manifest.json"
+HASH = "xxh3_64"
 HF_CONFIG_DIR = "hf_config"
 
 
@@ -152,9 +157,110 @@ def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def file_digest(path: Path) -> dict:
+    """Size and a fast non-cryptographic hash (xxh3_64, several GB/s) of one file, read in 16 MiB blocks."""
+    import xxhash
+
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while block := f.read(16 << 20):
+            h.update(block)
+    return {"size": path.stat().st_size, HASH: h.hexdigest()}
+
+
+def digests(root: Path, names: list[str]) -> dict[str, dict]:
+    return {name: file_digest(root / name) for name in names}
+
+
+def own_files(root: Path, rank: int) -> list[str]:
+    """The files this rank wrote into a checkpoint: its DCP shards (__<rank>_<i>.distcp) and RNG state."""
+    return sorted([p.name for p in root.glob(f"__{rank}_*.distcp")] + [f"rng_rank{rank}.json"])
+
+
+def verify(path: Path) -> list[str]:
+    """Collective when a process group exists: what is wrong with checkpoint `path` ([] if nothing); every
+    rank gets the same list. Each rank checks every world_size-th file of the manifest (size, then hash), so
+    the reading is shared."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    problems = []
+    if not (path / ".metadata").is_file():
+        problems.append("no .metadata (DCP's index of the shards): the save did not finish")
+    elif not (path / STATE_FILE).is_file():
+        problems.append(f"no {STATE_FILE} (the completion marker): the save did not finish")
+    elif (path / MANIFEST).is_file():
+        try:
+            files = sorted(json.loads((path / MANIFEST).read_text())["files"].items())
+        except (ValueError, KeyError) as e:
+            files, problems = [], [f"{MANIFEST} is unreadable ({e})"]
+        for name, want in files[rank::world]:
+            file = path / name
+            if not file.is_file():
+                problems.append(f"{name} is missing")
+            elif file.stat().st_size != want["size"]:
+                problems.append(f"{name} is {file.stat().st_size} bytes, {want['size']} when saved (truncated?)")
+            elif file_digest(file)[HASH] != want[HASH]:
+                problems.append(f"{name} has changed since it was saved ({HASH} differs)")
+    gathered: list[list[str]] = [problems] * world
+    if dist.is_initialized():
+        dist.all_gather_object(gathered, problems)
+    return sorted({p for ps in gathered for p in ps})
+
+
+def _warn(message: str) -> None:
+    if dist.get_rank() == 0:
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def _set_aside(path: Path) -> Path:
+    """Rename a skipped checkpoint out of the step_<N> namespace: kept for inspection, never loaded, counted,
+    pruned or overwritten by a new save of the same step."""
+    aside = path.with_name(path.name + ".corrupt")
+    n = 1
+    while aside.exists():
+        aside, n = path.with_name(f"{path.name}.corrupt{n}"), n + 1
+    path.rename(aside)
+    return aside
+
+
+def _unverified_warning(path: Path) -> Path:
+    if not (path / MANIFEST).is_file():
+        _warn(f"{path} has no {MANIFEST} (saved by an older llmtrain): resuming from it unverified")
+    return path
+
+
+def choose_resume(section: CheckpointConfig, output_dir: str | Path) -> Path | None:
+    """Collective: the verified checkpoint to resume from, or None to start fresh. resume=auto skips (with a
+    warning) every newer checkpoint that fails verification and sets it aside as step_<N>.corrupt; an explicit
+    path that fails is an error."""
+    if section.resume == "never":
+        return None
+    if section.resume != "auto":
+        path = Path(section.resume)
+        if problems := verify(path):
+            raise ConfigError(f"checkpoint.resume: {path} fails verification: {'; '.join(problems[:3])}; use "
+                              "another checkpoint (or checkpoint.resume=auto to take the newest intact one)")
+        return _unverified_warning(path)
+    root = Path(output_dir) / "checkpoints"
+    candidates = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name))) \
+        if root.is_dir() else []
+    for _, path in reversed(candidates):
+        problems = verify(path)
+        if not problems:
+            return _unverified_warning(path)
+        aside = None
+        if dist.get_rank() == 0:
+            aside = _set_aside(path)
+        dist.barrier()  # set aside before any rank lists the directory again
+        _warn(f"skipping checkpoint {path}: {'; '.join(problems[:3])}. It is kept as {aside}; resuming from the "
+              "newest intact checkpoint instead")
+    return None
+
+
 def check_writable(output_dir: str) -> None:
     """Fail before training when output_dir cannot be written (a file in the way, read-only, full)."""
     path = Path(output_dir)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"output_dir: {output_dir} is a file, not a directory; point output_dir at a directory")
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".write_test_{time.time_ns()}"
@@ -193,7 +299,8 @@ class CheckpointManager:
         self.root = Path(output_dir) / "checkpoints"
         self.model, self.optimizer, self.rank = model, optimizer, rank
         self.config_yaml, self.model_config, self.tokenizer = config_yaml, model_config, tokenizer
-        self.pending = None  # (future, tmp dir, final dir, state) of an async save
+        self.pending = None  # (future of this rank's file digests, tmp dir, final dir, state) of an async save
+        self.hasher = ThreadPoolExecutor(max_workers=1)  # async saves: the digests are taken off the training thread
         self.last_save = time.monotonic()
 
     # -- what to save -------------------------------------------------------------------------------
@@ -224,11 +331,11 @@ class CheckpointManager:
             (tmp / f"rng_rank{self.rank}.json").write_text(json.dumps(_rng_state()))
             if self.section.async_:
                 future = dcp.async_save(self._tensors(), checkpoint_id=str(tmp))
-                self.pending = (future, tmp, final, state)
+                hashed = self.hasher.submit(lambda: (future.result(), digests(tmp, own_files(tmp, self.rank)))[1])
+                self.pending = (hashed, tmp, final, state)
             else:
                 dcp.save(self._tensors(), checkpoint_id=str(tmp))
-                dist.barrier()
-                self._publish(tmp, final, state)
+                self._publish(tmp, final, state, digests(tmp, own_files(tmp, self.rank)))
         except (OSError, dcp.api.CheckpointException) as e:
             raise SaveError(tmp, e) from e
         self.last_save = time.monotonic()
@@ -246,20 +353,25 @@ class CheckpointManager:
     def wait(self) -> None:
         if self.pending is None:
             return
-        future, tmp, final, state = self.pending
+        hashed, tmp, final, state = self.pending
         self.pending = None
         try:
-            future.result()
-            dist.barrier()
-            self._publish(tmp, final, state)
+            self._publish(tmp, final, state, hashed.result())
         except (OSError, dcp.api.CheckpointException) as e:
             raise SaveError(tmp, e) from e
 
-    def _publish(self, tmp: Path, final: Path, state: TrainState) -> None:
+    def _publish(self, tmp: Path, final: Path, state: TrainState, own: dict[str, dict]) -> None:
+        """Collective. The manifest gathers every rank's digests of its own files; rank 0 adds the rest."""
+        gathered: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
+        dist.all_gather_object(gathered, own)  # also the barrier: every rank's shards are written
         if self.rank == 0:
             (tmp / "config.yaml").write_text(self.config_yaml)
             self.model_config.save_pretrained(tmp / HF_CONFIG_DIR)
             self.tokenizer.save_pretrained(tmp / HF_CONFIG_DIR)
+            files = {name: d for g in gathered for name, d in g.items()}
+            rest = [str(p.relative_to(tmp)) for p in sorted(tmp.rglob("*")) if p.is_file()]
+            files.update(digests(tmp, [n for n in rest if n not in files]))
+            (tmp / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
             (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))  # the completion marker
             if final.exists():  # the same step saved again (e.g. a resumed run): replace it
                 shutil.rmtree(final)
@@ -275,14 +387,18 @@ class CheckpointManager:
                 shutil.rmtree(path, ignore_errors=True)
 
     # -- resume -------------------------------------------------------------------------------------
-    def resume(self) -> TrainState | None:
-        """Load the checkpoint chosen by checkpoint.resume into model and optimizer (DCP reshards to
-        this world size and strategy); returns its TrainState, or None to start fresh."""
-        path = resume_path(self.section, self.root.parent)
+    def resume(self, path: Path | None) -> TrainState | None:
+        """Load checkpoint `path` (choose_resume's choice) into model and optimizer (DCP reshards to this
+        world size and strategy); returns its TrainState, or None to start fresh."""
         if path is None:
             return None
         tensors = self._tensors()
-        dcp.load(tensors, checkpoint_id=str(path))
+        try:
+            dcp.load(tensors, checkpoint_id=str(path))
+        except dcp.api.CheckpointException as e:
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            raise ConfigError(f"checkpoint {path} cannot be loaded ({first}): move it away, or set "
+                              "checkpoint.resume to another checkpoint") from None
         set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"],
                        optim_state_dict=tensors["optim"])
         state = TrainState(**json.loads((path / STATE_FILE).read_text()))

@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from llmtrain.checkpoint import HF_CONFIG_DIR, STATE_FILE, is_complete, write_hf
+from llmtrain.checkpoint import HF_CONFIG_DIR, STATE_FILE, is_complete, verify, write_hf
 from llmtrain.parallelize import DTYPES
 
 PREFIX = "model."
@@ -26,6 +26,8 @@ def convert(ckpt: Path, out: Path, dtype: str, max_shard_size: str) -> None:
 
     if not is_complete(ckpt):
         raise SystemExit(f"error: {ckpt} is not a complete llmtrain checkpoint (no {STATE_FILE} or .metadata)")
+    if problems := verify(ckpt):
+        raise SystemExit(f"error: {ckpt} fails verification: {'; '.join(problems[:3])}")
     reader = dcp.FileSystemReader(str(ckpt))
     meta = reader.read_metadata().state_dict_metadata
     state = {key: torch.empty(m.size, dtype=DTYPES[dtype]) for key, m in meta.items()

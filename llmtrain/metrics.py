@@ -281,6 +281,26 @@ class WandbSink:
         self.run.finish()
 
 
+def drop_torn_tail(path: Path) -> None:
+    """Cut a partial last line (a run killed while writing it), so appended records start on their own line."""
+    if not path.is_file():
+        return
+    with open(path, "rb+") as f:
+        end = f.seek(0, 2)
+        pos = end
+        while pos > 0:
+            size = min(1 << 16, pos)
+            f.seek(pos - size)
+            block = f.read(size)
+            cut = block.rfind(b"\n")
+            if cut >= 0:
+                if pos - size + cut + 1 < end:
+                    f.truncate(pos - size + cut + 1)
+                return
+            pos -= size
+        f.truncate(0)
+
+
 class MetricsLogger:
     """stdout, metrics.jsonl, TensorBoard, wandb and the progress bar: rank 0 writes, the others do nothing."""
 
@@ -297,6 +317,8 @@ class MetricsLogger:
             return
         out = Path(output_dir)
         out.mkdir(parents=True, exist_ok=True)
+        if append:
+            drop_torn_tail(out / METRICS_FILE)
         self.file = open(out / METRICS_FILE, "a" if append else "w")
         if progress and sys.stderr.isatty():
             from tqdm import tqdm

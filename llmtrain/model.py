@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor, distribute_tensor
 from accelerate import init_empty_weights
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -46,6 +46,7 @@ def check_paths(section: ModelConfig, tokenizer_path: str | None) -> None:
         if not (Path(section.path) / "config.json").is_file():
             raise ConfigError(f"model.path: {section.path} has no config.json (not a Hugging Face model directory)")
         check_causal_lm(section.path)
+        check_weights(Path(section.path))
 
 
 def check_causal_lm(path: str) -> None:
@@ -60,6 +61,36 @@ def check_causal_lm(path: str) -> None:
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and "AutoModelForCausalLM" not in config.get("auto_map", {}):
         raise ConfigError(f"model.path: {path} has model_type {model_type!r}, which transformers has no causal "
                           "LM class for")
+
+
+def check_weights(path: Path) -> None:
+    """Every safetensors file of a model directory opens (safetensors checks that its header and size agree),
+    so a truncated download is named at set-up rather than failing inside the loader."""
+    index = path / WEIGHTS_INDEX
+    try:
+        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()}) \
+            if index.is_file() else [path / WEIGHTS_FILE]
+    except (ValueError, KeyError, AttributeError) as e:
+        raise ConfigError(f"model.path: {index} is not a valid safetensors index ({e}); download it again") from None
+    for file in files:
+        if not file.is_file():
+            raise ConfigError(f"model.path: {path} has no {file.name}" + (f" (listed in {WEIGHTS_INDEX})" if
+                              index.is_file() else f" or {WEIGHTS_INDEX} (safetensors only; pickled .bin weights "
+                              "are not loaded)"))
+        try:
+            with safe_open(file, framework="pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise ConfigError(f"model.path: {file} is not a readable safetensors file ({e}): truncated or corrupt; "
+                              "download it again") from None
+
+
+def check_seq_len(config: PretrainedConfig, seq_len: int) -> None:
+    """Positions past max_position_embeddings were never trained (and some families index past their table)."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and seq_len > limit:
+        raise ConfigError(f"data.seq_len={seq_len} is longer than the model's max_position_embeddings={limit}; "
+                          "lower data.seq_len (or extend the model's context in its config first)")
 
 
 def load_tokenizer(path: str, trust_remote_code: bool):

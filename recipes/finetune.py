@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 from llmtrain import checkpoint, data, distributed, model as model_lib, optim, parallelize  # noqa: E402
 from llmtrain.config import Config, ConfigError, describe, load_config, to_yaml  # noqa: E402
-from llmtrain import attention, launch, preflight  # noqa: E402
+from llmtrain import attention, launch, lock, preflight  # noqa: E402
 from llmtrain import loss as loss_lib  # noqa: E402
 from llmtrain.step import train_step  # noqa: E402
 from llmtrain import metrics as metrics_lib  # noqa: E402
@@ -83,16 +83,19 @@ def train(cfg: Config, env: distributed.DistEnv) -> torch.nn.Module:
         summary = preflight.run(env, cfg.output_dir, cfg.distributed.preflight_timeout_s)
         if env.is_main:
             print(summary, flush=True)
+    lock.hold(cfg.output_dir, env.rank)  # one run per output_dir: a second one exits 2, writing nothing
     # Model: built on meta, sharded/wrapped, then each rank reads only its own slices of the weights.
     tokenizer = model_lib.load_tokenizer(cfg.tokenizer.path or cfg.model.path, cfg.model.trust_remote_code)
     model_config = model_lib.load_model_config(cfg.model, tokenizer)
+    model_lib.check_seq_len(model_config, cfg.data.seq_len)
     model = model_lib.build_meta_model(model_config, cfg.model)
     n_params = sum(p.numel() for p in model.parameters())
     no_decay = optim.no_decay_names(model)
     plan = parallelize.resolve(cfg.parallel, n_params, env.world_size, env.device)
     mesh = distributed.build_mesh(env, cfg.parallel.replicate)
     model = parallelize.parallelize(model, cfg.parallel, plan, mesh, env.device)
-    if checkpoint.resume_path(cfg.checkpoint, cfg.output_dir) is None:  # else the checkpoint holds every weight
+    start = checkpoint.choose_resume(cfg.checkpoint, cfg.output_dir)  # verified; corrupt ones are skipped
+    if start is None:  # else the checkpoint holds every weight
         model_lib.load_weights(model, cfg.model, model_config, cfg.train.seed)
     model.train()
     distributed.seed_everything(cfg.train.seed + env.rank)  # per-rank dropout; the init above is shared
@@ -103,7 +106,7 @@ def train(cfg: Config, env: distributed.DistEnv) -> torch.nn.Module:
     global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * env.world_size
     ckpt = checkpoint.CheckpointManager(cfg.checkpoint, cfg.output_dir, model, opt, env.rank, to_yaml(cfg),
                                         model_config, tokenizer)
-    state = ckpt.resume() or checkpoint.TrainState(global_batch=global_batch, world_size=env.world_size)
+    state = ckpt.resume(start) or checkpoint.TrainState(global_batch=global_batch, world_size=env.world_size)
     model_lib.check_initialized(model)  # every parameter loaded (from model.path or the checkpoint)
     metrics = MetricsLogger(cfg.output_dir, env.is_main, cfg.train.max_steps, state.step, cfg.log.progress,
                             append=state.step > 0, section=cfg.log, run_config=cfg)
@@ -220,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error (rank {env.rank}): training failed; see the traceback above", file=sys.stderr)
         return 1
     finally:
+        lock.release()
         distributed.shutdown()
 
 

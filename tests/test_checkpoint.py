@@ -19,7 +19,9 @@ from safetensors.torch import load_file
 
 from conftest import (RECIPE, TINY, TWO_RANKS, finish, launch, losses, losses_by_step, read_metrics, run_recipe, start,
                       wait_for_step, worker_pids)
-from llmtrain.checkpoint import complete_checkpoints
+from llmtrain.checkpoint import check_writable, complete_checkpoints
+from llmtrain.config import ConfigError
+from llmtrain.convert import convert
 
 TOL = 2e-5
 SIX = ("train.max_steps=6", "checkpoint.every_steps=3")
@@ -86,6 +88,10 @@ def test_async_save_and_keep_last(tmp_path, reference):
     assert names == ["step_3", "step_4"]
     state = json.loads((tmp_path / "checkpoints" / "step_4" / "trainer_state.json").read_text())
     assert state["step"] == 4 and state["samples_seen"] == 16
+    manifest = json.loads((tmp_path / "checkpoints" / "step_4" / "manifest.json").read_text())["files"]
+    assert {n: d["size"] for n, d in manifest.items() if not n.startswith("hf_config")} == {
+        p.name: p.stat().st_size for p in (tmp_path / "checkpoints" / "step_4").iterdir()
+        if p.is_file() and p.name not in ("manifest.json", "trainer_state.json")}  # the async save's digests too
 
 
 def test_time_based_checkpoints(tmp_path):
@@ -200,6 +206,8 @@ def test_unwritable_output_dir_fails_before_training(tmp_path):
     res = run_recipe(blocker / "run", check=False, timeout=60, torchrun=False)
     assert res.returncode == 2
     assert "output_dir: cannot write" in res.stderr
+    with pytest.raises(ConfigError, match=f"output_dir: {blocker} is a file, not a directory"):
+        check_writable(str(blocker))
 
 
 @pytest.mark.slow
@@ -228,3 +236,49 @@ def test_nan_stops_naming_the_step_or_is_skipped(tmp_path):
     assert sorted(p.name for p in (tmp_path / "stop" / "checkpoints").iterdir()) == ["step_1"]
     run_recipe(tmp_path / "skip", *blowup, "train.on_nan=skip")
     assert [r["skipped_steps"] for r in read_metrics(tmp_path / "skip")] == [0, 1, 2, 3]
+
+
+def truncate(path: Path, keep: int = 100) -> int:
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.truncate(keep)
+    return size
+
+
+@pytest.mark.slow
+def test_corrupt_checkpoints_are_skipped_kept_and_named(tmp_path, fsdp2_run):
+    """The newest checkpoint (step_6) has a truncated shard and a newer step_9 has no .metadata: resume=auto
+    warns about each, sets them aside (kept, never pruned), resumes from step_3 and matches the uninterrupted
+    losses. An explicit checkpoint.resume to a corrupt checkpoint is an error on every rank."""
+    ck = tmp_path / "auto" / "checkpoints"
+    shutil.copytree(fsdp2_run / "checkpoints", ck)
+    manifest = json.loads((ck / "step_6" / "manifest.json").read_text())["files"]
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "rng_rank1.json", "config.yaml"} <= manifest.keys()
+    size = truncate(ck / "step_6" / "__1_0.distcp")
+    shutil.copytree(ck / "step_3", ck / "step_9")
+    (ck / "step_9" / ".metadata").unlink()
+    explicit = tmp_path / "explicit" / "step_6"
+    shutil.copytree(fsdp2_run / "checkpoints" / "step_6", explicit)
+    (explicit / "rng_rank0.json").write_text((explicit / "rng_rank0.json").read_text().replace("A", "B", 1))
+    two = ("parallel.strategy=fsdp2", "train.micro_batch_size=2", *SIX)
+    auto = start([RECIPE, "--config", TINY, f"output_dir={tmp_path / 'auto'}", *two], nproc=2)
+    bad = start([RECIPE, "--config", TINY, f"output_dir={tmp_path / 'other'}", f"checkpoint.resume={explicit}", *two],
+                nproc=2)
+    res = finish(bad, timeout=240)
+    assert re.search(r"exitcode\s*:\s*2", res.stderr), res.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"error (rank {rank}): checkpoint.resume: {explicit} fails verification: rng_rank0.json has " \
+               "changed since it was saved" in res.stderr, res.stderr[-3000:]
+    res = finish(auto, timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resumed at step 3" in res.stdout
+    assert f"skipping checkpoint {ck / 'step_9'}: no .metadata" in res.stderr
+    assert (f"skipping checkpoint {ck / 'step_6'}: __1_0.distcp is 100 bytes, {size} when saved (truncated?). "
+            f"It is kept as {ck / 'step_6.corrupt'}") in res.stderr
+    full = losses_by_step(fsdp2_run)
+    assert [losses_by_step(tmp_path / "auto")[s] for s in (4, 5, 6)] == pytest.approx([full[s] for s in (4, 5, 6)],
+                                                                                      abs=TOL)
+    assert sorted(p.name for p in ck.iterdir()) == ["step_3", "step_6", "step_6.corrupt", "step_9.corrupt"]
+    assert (ck / "step_6.corrupt" / "__1_0.distcp").stat().st_size == 100
+    with pytest.raises(SystemExit, match=r"step_6.corrupt fails verification: __1_0.distcp is 100 bytes"):
+        convert(ck / "step_6.corrupt", tmp_path / "hf", "fp32", "5GB")  # the offline converter verifies too

@@ -7,7 +7,6 @@ split_dataset_by_node, tokenized and packed on the fly; ranks agree when to wrap
 
 from __future__ import annotations
 
-import glob
 import math
 import warnings
 from collections.abc import Iterator
@@ -18,32 +17,16 @@ import torch
 import torch.distributed as dist
 
 from llmtrain.config import ConfigError, DataConfig, SourceConfig
+from llmtrain.data import sources as sources_lib
 from llmtrain.data.formats import ENCODERS, IGNORE, BadRecord, prepare_tokenizer
 from llmtrain.data.packing import RowBuilder, to_rows
 from llmtrain.data.sampling import GlobalOrderSampler, step_batches
+from llmtrain.data.sources import resolve_files
 
 __all__ = ["IGNORE", "GlobalOrderSampler", "step_batches", "resolve_files", "check", "build", "Built",
            "StreamSteps", "MapSteps", "make_steps", "prepare_tokenizer"]
 
-BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
 PACK_BATCH = 1000  # examples packed together; the last row of each batch is padded
-
-
-def resolve_files(path: str, key: str = "data.path") -> list[str]:
-    """A file, a glob or a directory -> sorted data files of one known type."""
-    p = Path(path)
-    if p.is_dir():
-        files = sorted(str(f) for f in p.rglob("*") if f.is_file() and f.suffix in BUILDERS)
-    else:
-        files = sorted(glob.glob(path, recursive=True))
-    if not files:
-        raise ConfigError(f"{key}: nothing matches {path!r}")
-    suffixes = {Path(f).suffix for f in files}
-    if unknown := suffixes - set(BUILDERS):
-        raise ConfigError(f"{key}: unsupported file type {sorted(unknown)}; use one of {sorted(BUILDERS)}")
-    if len(suffixes) > 1:
-        raise ConfigError(f"{key}: mixes file types {sorted(suffixes)}; point it at one type")
-    return files
 
 
 def sources(section: DataConfig) -> list[SourceConfig]:
@@ -53,11 +36,11 @@ def sources(section: DataConfig) -> list[SourceConfig]:
 def check(section: DataConfig) -> None:
     """File-level checks, cheap enough for set-up (before any process group)."""
     for i, src in enumerate(sources(section)):
-        resolve_files(src.path, "data.path" if not section.sources else f"data.sources[{i}].path")
+        sources_lib.check(src.path, "data.path" if not section.sources else f"data.sources[{i}].path")
         if src.weight <= 0:
             raise ConfigError(f"data.sources[{i}].weight must be > 0")
     if section.val_path:
-        resolve_files(section.val_path, "data.val_path")
+        sources_lib.check(section.val_path, "data.val_path")
 
 
 @dataclass
@@ -67,6 +50,7 @@ class Stats:
     reasons: dict[str, int] = field(default_factory=dict)
     truncated: int = 0
     streaming: bool = False
+    first_bad: str = ""  # file:line and reason of the first skipped record
 
     def summary(self) -> str:
         if self.streaming:  # nothing is read ahead; bad records are counted as they stream past
@@ -74,59 +58,68 @@ class Stats:
         text = f"{self.num_examples} examples"
         if self.skipped:
             top = ", ".join(f"{r} ({n})" for r, n in sorted(self.reasons.items(), key=lambda x: -x[1])[:3])
-            text += f", {self.skipped} bad records skipped: {top}"
+            text += f", {self.skipped} bad records skipped: {top}; the first at {self.first_bad}"
         if self.truncated:
             text += f", {self.truncated} truncated to data.seq_len"
         return text
 
 
-def _load(path: str, key: str, streaming: bool = False):
-    from datasets import concatenate_datasets, load_dataset
-
-    files = resolve_files(path, key)
-    builder = BUILDERS[Path(files[0]).suffix]
-    if streaming:
-        return load_dataset(builder, data_files=files, split="train", streaming=True), files
-    # One dataset per file, so a bad record can be named by file and line.
-    parts = [load_dataset(builder, data_files=f, split="train") for f in files]
-    return concatenate_datasets(parts) if len(parts) > 1 else parts[0], [(f, len(d)) for f, d in zip(files, parts)]
-
-
-def _where(index: int, files: list[tuple[str, int]]) -> str:
-    for name, n in files:
-        if index < n:
-            return f"{name}, line {index + 1}"
-        index -= n
-    return f"record {index}"
-
-
 def _encode_batch(batch: dict, section: DataConfig, fmt: str, tokenizer) -> dict:
     encode = ENCODERS[fmt]
-    out = {"input_ids": [], "labels": [], "split": [], "error": []}
-    for record in (dict(zip(batch, values)) for values in zip(*batch.values())):
-        try:
-            ids, labels = encode(record, section, tokenizer)
-            error = ""
-        except BadRecord as e:
-            ids, labels, error = [], [], str(e)
+    out = {"input_ids": [], "labels": [], "split": [], "error": [], "where": []}
+    for row in (dict(zip(batch, values)) for values in zip(*batch.values())):
+        record, where, error = sources_lib.record_of(row)
+        ids, labels = [], []
+        if not error:
+            try:
+                ids, labels = encode(record, section, tokenizer)
+            except BadRecord as e:
+                error = str(e)
         out["input_ids"].append(ids)
         out["labels"].append(labels)
         out["split"].append(fmt == "text")
         out["error"].append(error)
+        out["where"].append(where if error else "")
     return out
 
 
+def _where(index: int, examples, parts: list[sources_lib.Part]) -> str:
+    """File and line (or row) of the record at `index`."""
+    if where := examples[index]["where"]:
+        return where
+    for part in parts:
+        if index < part.rows:
+            return part.where(index)
+        index -= part.rows
+    return f"record {index + 1}"
+
+
 def _examples(path: str, fmt: str, key: str, section: DataConfig, tokenizer, stats: Stats):
-    ds, files = _load(path, key)
-    ds = ds.map(_encode_batch, batched=True, remove_columns=ds.column_names, desc=f"tokenize {Path(path).name}",
-                fn_kwargs={"section": section, "fmt": fmt, "tokenizer": tokenizer})
+    from datasets import concatenate_datasets
+
+    def encode(ds, name: str):
+        return ds.map(_encode_batch, batched=True, remove_columns=ds.column_names, desc=f"tokenize {name}",
+                      fn_kwargs={"section": section, "fmt": fmt, "tokenizer": tokenizer})
+
+    encoded, parts = [], []
+    for ds, part in sources_lib.load(path, key):
+        try:
+            encoded.append(encode(ds, Path(part.name).name))
+        except UnicodeDecodeError:  # pyarrow keeps JSON strings' bytes unchecked until they are read as text
+            encoded.append(encode(sources_lib.read_numbered(part.name), Path(part.name).name))
+        parts.append(sources_lib.Part(part.name, len(encoded[-1])))
+    ds = concatenate_datasets(encoded) if len(encoded) > 1 else encoded[0]
     errors = ds["error"]
     bad = [i for i, e in enumerate(errors) if e]
-    if bad and section.strict:
-        raise ConfigError(f"{_where(bad[0], files)}: {errors[bad[0]]} (data.strict=true; false skips bad records)")
+    if bad:
+        first = f"{_where(bad[0], ds, parts)}: {errors[bad[0]]}"
+        if section.strict:
+            raise ConfigError(f"{first} (data.strict=true; false skips bad records)")
+        stats.first_bad = stats.first_bad or first
     for i in bad:
         stats.reasons[errors[i]] = stats.reasons.get(errors[i], 0) + 1
     stats.skipped += len(bad)
+    ds = ds.remove_columns("where")
     return ds.filter(lambda e: not e, input_columns="error").remove_columns("error") if bad else ds.remove_columns("error")
 
 
@@ -209,7 +202,7 @@ class StreamingRows:
         self.section, self.tokenizer = section, tokenizer
         parts = []
         for i, src in enumerate(sources(section)):
-            ds, _ = _load(src.path, f"data.sources[{i}].path" if section.sources else "data.path", streaming=True)
+            ds = sources_lib.load_stream(src.path, f"data.sources[{i}].path" if section.sources else "data.path")
             parts.append((ds, src.format))
         streams = [ds.map(lambda r, f=fmt: {"__format": f}) for ds, fmt in parts]
         if len(streams) > 1:
@@ -226,11 +219,14 @@ class StreamingRows:
         builder = RowBuilder(self.section.seq_len, self.tokenizer.pad_token_id)
         for record in self.stream:
             fmt = record.pop("__format")
+            record, where, error = sources_lib.record_of(record)
             try:
+                if error:
+                    raise BadRecord(error)
                 ids, labels = ENCODERS[fmt](record, self.section, self.tokenizer)
             except BadRecord as e:
                 if self.section.strict:
-                    raise ConfigError(f"{e} (data.strict=true)") from None
+                    raise ConfigError(f"{where + ': ' if where else ''}{e} (data.strict=true)") from None
                 warnings.warn(f"skipping bad records: {e}")  # once per reason (warnings dedups)
                 continue
             builder.add(ids, labels, fmt == "text" and self.section.packing)
@@ -258,6 +254,10 @@ class MapSteps:
 
     def __init__(self, rows, micro: int, accum: int, world_size: int, rank: int, seed: int, samples_seen: int):
         self.global_batch = micro * accum * world_size
+        if self.global_batch > len(rows):  # the sampler would put the same rows into one batch many times
+            raise ConfigError(f"the training data gives {len(rows)} rows of data.seq_len tokens, fewer than one "
+                              f"step's global batch of {self.global_batch} (train.micro_batch_size {micro} x "
+                              f"train.grad_accum_steps {accum} x {world_size} ranks); lower those or add data")
         self.samples_seen = samples_seen
         self.it = step_batches(rows, micro, accum, world_size, rank, seed, samples_seen)
 
