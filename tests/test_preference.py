@@ -26,6 +26,16 @@ GOOD = {"role": "assistant", "content": "The ball is red."}
 BAD = {"role": "assistant", "content": "The ball is blue."}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These models are tiny: a second intra-op thread only adds synchronisation, which on a busy
+    machine costs seconds per test (measured: 0.3 s on one thread, 7 s on two, at load 10 on 2 cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def tok():
     return AutoTokenizer.from_pretrained(TOKENIZER)
@@ -66,6 +76,14 @@ def test_a_tokenizer_without_a_template_gets_the_default_one(tok):
     assert plain.chat_template == DEFAULT_CHAT_TEMPLATE
     pair = encode_preference({"prompt": [USER], "chosen": [GOOD], "rejected": [BAD]}, SECTION, plain)
     assert tok.decode(pair.chosen) == "The ball is red.<|end_of_text|>"
+
+
+def test_a_template_that_refuses_a_conversation_gives_a_bad_record(tok):
+    strict = AutoTokenizer.from_pretrained(TOKENIZER)  # like Gemma 2 and Mistral: no system role
+    strict.chat_template = ("{%- if messages[0]['role'] == 'system' %}{{ raise_exception('no system role') }}"
+                            "{%- endif %}" + tok.chat_template)
+    with pytest.raises(BadRecord, match="the chat template refuses this conversation: no system role"):
+        encode_preference({"prompt": [SYSTEM, USER], "chosen": [GOOD], "rejected": [BAD]}, SECTION, strict)
 
 
 def test_truncation_cuts_the_prompt_from_the_left_then_the_responses_from_the_right():
@@ -231,9 +249,10 @@ def test_any_split_gives_the_loss_metrics_and_gradients_of_the_whole_batch(tok, 
         value, summed = 0.0, torch.zeros(len(pl.METRICS))
         for batch in batches:
             inputs = {k: batch[k] for k in ("input_ids", "position_ids")}
-            logps, lengths = pl.sequence_logps(pl.token_logps(policy(**inputs).logits, batch["labels"]), batch["labels"])
-            ref = None if loss == "simpo" else pl.sequence_logps(
-                pl.token_logps(reference(**inputs).logits, batch["labels"]), batch["labels"])[0]
+            labels = batch["labels"]
+            logps, lengths = pl.sequence_logps(pl.token_logps(policy(**inputs).logits, labels), labels)
+            ref = None if loss == "simpo" else pl.sequence_logps(pl.token_logps(reference(**inputs).logits, labels),
+                                                                 labels)[0]
             sums = pl.preference_sums(logps, lengths, ref, loss, beta, eps, gamma)
             share = pl.objective(sums, totals, sft)
             share.backward()
@@ -254,6 +273,7 @@ def test_loss_settings_are_checked_naming_the_key():
     for args, key in [(("dpo", 0.1, 0.0, 0.0, 0.0), "dpo.loss"), (("sigmoid", 0.0, 0.0, 0.0, 0.0), "dpo.beta"),
                       (("sigmoid", 0.1, 0.5, 0.0, 0.0), "dpo.label_smoothing"),
                       (("ipo", 0.1, 0.1, 0.0, 0.0), "dpo.label_smoothing"),
-                      (("sigmoid", 0.1, 0.0, 0.5, 0.0), "dpo.gamma"), (("sigmoid", 0.1, 0.0, 0.0, -1.0), "dpo.sft_weight")]:
+                      (("sigmoid", 0.1, 0.0, 0.5, 0.0), "dpo.gamma"),
+                      (("sigmoid", 0.1, 0.0, 0.0, -1.0), "dpo.sft_weight")]:
         with pytest.raises(ConfigError, match=key):
             pl.check(*args)

@@ -90,7 +90,8 @@ def _message_ids(record: dict, tokenizer) -> tuple[list[int], list[int], list[in
                                                   add_generation_prompt=generation_prompt)["input_ids"])
 
     try:
-        prompt_ids, with_chosen, with_rejected = render(prompt, True), render(prompt + chosen), render(prompt + rejected)
+        prompt_ids = render(prompt, generation_prompt=True)
+        with_chosen, with_rejected = render(prompt + chosen), render(prompt + rejected)
     except TemplateError as e:  # a family's own rule, e.g. no system role
         raise BadRecord(f"the chat template refuses this conversation: {e}") from None
     n = min(_shared_prefix(prompt_ids, with_chosen), _shared_prefix(prompt_ids, with_rejected))

@@ -70,9 +70,9 @@ def main() -> int:
     tok = AutoTokenizer.from_pretrained(REPO / "assets" / "tokenizer")
     records = [json.loads(line) for line in (REPO / "data" / "demo" / "preference.jsonl").open()][:PAIRS]
     worst = 0.0
-    for name, loss, types_, weights, beta, sft in [("sigmoid", "sigmoid", ["sigmoid"], None, 0.1, 0.0),
-                                                    ("ipo", "ipo", ["ipo"], None, 0.3, 0.0),
-                                                    ("sigmoid+sft", "sigmoid", ["sigmoid", "sft"], [1.0, 0.5], 0.1, 0.5)]:
+    cases = [("sigmoid", "sigmoid", ["sigmoid"], None, 0.1, 0.0), ("ipo", "ipo", ["ipo"], None, 0.3, 0.0),
+             ("sigmoid+sft", "sigmoid", ["sigmoid", "sft"], [1.0, 0.5], 0.1, 0.5)]
+    for name, loss, types_, weights, beta, sft in cases:
         mine, mine_metrics, _, _, ref = ours(records, tok, loss, beta, sft=sft)
         theirs, their_metrics = trl_dpo(records, tok, types_, weights, beta, ref)
         d = max([abs(mine - theirs)] + [abs(mine_metrics[k] - their_metrics[k]) for k in pl.METRICS])
