@@ -10,6 +10,7 @@ Outputs:
     data/demo/instruct.jsonl           {"instruction", "input", "output"}     Alpaca style
     data/demo/chat.jsonl               {"messages": [{"role", "content"}]}    OpenAI style
     data/demo/sharegpt.jsonl           {"conversations": [{"from", "value"}]} ShareGPT style
+    data/demo/preference.jsonl         {"prompt", "chosen", "rejected"}       preference pairs (DPO)
     assets/tokenizer/                  512-token byte-level BPE, loadable with AutoTokenizer
 
 The text is synthetic English about a tiny fixed "world" (people, places, objects, colours,
@@ -36,6 +37,7 @@ from transformers import PreTrainedTokenizerFast  # noqa: E402
 SEED = 20240601
 VOCAB_SIZE = 512
 N_TRAIN, N_VAL, N_INSTRUCT, N_CHAT, N_SHAREGPT = 3000, 200, 600, 600, 100
+N_PREFERENCE = 1000
 
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
 START_HEADER, END_HEADER, EOT = "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"
@@ -192,6 +194,43 @@ def conversation(r):
     return msgs
 
 
+def false_fact(r):
+    """(a true sentence, the same sentence made false by one changed word)."""
+    p, o, a, b = r.choice(list(PEOPLE)), r.choice(list(OBJECTS)), r.randint(0, 10), r.randint(0, 10)
+    kind = r.randrange(3)
+    if kind == 0:
+        wrong = r.choice([c for c in COLOURS if c != OBJECT_COLOUR[o]])
+        return f"The {o} is {OBJECT_COLOUR[o]}.", f"The {o} is {wrong}."
+    if kind == 1:
+        wrong = r.choice([x for x in PLACES if x != HOME[p]])
+        return f"{p} lives near the {HOME[p]}.", f"{p} lives near the {wrong}."
+    wrong = r.choice([n for n in range(21) if n != a + b])
+    return f"{cap(NUM[a])} plus {NUM[b]} is {NUM[a + b]}.", f"{cap(NUM[a])} plus {NUM[b]} is {NUM[wrong]}."
+
+
+def preference(r):
+    """A text pair: a prompt from the corpus, its true continuation (chosen) and a wrong one (rejected):
+    a story's end with the wrong count, a fact made false, or a true sentence with its words shuffled.
+    Responses start with a space, so tokenizing prompt and response apart gives the joint tokens."""
+    kind = r.randrange(3)
+    if kind == 0:
+        text, (p, o, total) = story(r)
+        body, rest = text.split(" Now ", 1)
+        rest = "Now " + rest
+        answer = f"Now {p} has {count(total, o)}."
+        wrong = f"Now {p} has {count(r.choice([n for n in range(1, 21) if n != total]), o)}."
+        return body, " " + rest, " " + rest.replace(answer, wrong)
+    prompt = " ".join(fact(r) for _ in range(r.randint(1, 4)))
+    if kind == 1:
+        true, false = false_fact(r)
+        return prompt, " " + true, " " + false
+    true = fact(r)
+    words = true[:-1].split()
+    while words == true[:-1].split():
+        r.shuffle(words)
+    return prompt, " " + true, " " + " ".join(words) + "."
+
+
 SHAREGPT_ROLE = {"system": "system", "user": "human", "assistant": "gpt"}
 
 
@@ -245,9 +284,11 @@ def main(argv=None):
     r = rng("sharegpt")
     sharegpt = [{"conversations": [{"from": SHAREGPT_ROLE[m["role"]], "value": m["content"]}
                                    for m in conversation(r)]} for _ in range(N_SHAREGPT)]
+    r = rng("preference")
+    pairs = [dict(zip(("prompt", "chosen", "rejected"), preference(r))) for _ in range(N_PREFERENCE)]
 
     for name, records in [("train", train), ("val", val), ("instruct", instruct),
-                          ("chat", chat), ("sharegpt", sharegpt)]:
+                          ("chat", chat), ("sharegpt", sharegpt), ("preference", pairs)]:
         write_jsonl(data / f"{name}.jsonl", records)
 
     corpus = ([d["text"] for d in train] + [" ".join(d.values()) for d in instruct]

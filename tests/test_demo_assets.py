@@ -100,6 +100,21 @@ def test_data_files_parse_with_expected_fields():
         assert roles and roles == ["human", "gpt"] * (len(roles) // 2)
         assert all(set(t) == {"from", "value"} and t["value"] for t in turns)
 
+    recs = read_jsonl("preference.jsonl")
+    assert len(recs) == 1000
+    assert all(list(r) == ["prompt", "chosen", "rejected"] and r["prompt"] and r["chosen"] != r["rejected"]
+               for r in recs)
+
+
+def test_preference_responses_start_on_a_token_boundary(tok):
+    """Prompt and response are tokenized apart (as generation sees them); for the demo pairs that must
+    equal tokenizing them together, or the model would be taught token splits it never produces."""
+    recs = read_jsonl("preference.jsonl")
+    prompts, responses = [r["prompt"] for r in recs] * 2, [r["chosen"] for r in recs] + [r["rejected"] for r in recs]
+    joint = tok([p + r for p, r in zip(prompts, responses)])["input_ids"]
+    apart = [p + r for p, r in zip(tok(prompts)["input_ids"], tok(responses)["input_ids"])]
+    assert joint == apart
+
 
 def test_generator_reproduces_shipped_files(tmp_path):
     # Run as a subprocess: the script pins tokenizers to one thread before importing it.

@@ -65,11 +65,18 @@ def encode_instruction(record: dict, section: DataConfig, tokenizer) -> tuple[li
 def chat_messages(record: dict, section: DataConfig) -> list[dict]:
     """OpenAI `messages` as they are; ShareGPT `conversations` mapped onto them; validated."""
     if section.messages_field in record and record[section.messages_field] is not None:
-        raw, role_key, content_key = record[section.messages_field], "role", "content"
+        messages = parse_turns(record[section.messages_field])
     elif record.get("conversations") is not None:
-        raw, role_key, content_key = record["conversations"], "from", "value"
+        messages = parse_turns(record["conversations"], "from", "value")
     else:
         raise BadRecord(f"no {section.messages_field!r} (or ShareGPT 'conversations') field")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise BadRecord("no assistant turn")
+    return messages
+
+
+def parse_turns(raw, role_key: str = "role", content_key: str = "content") -> list[dict]:
+    """A list of turns -> validated {role, content} messages; role_key 'from' maps ShareGPT roles."""
     if not isinstance(raw, list) or not raw:
         raise BadRecord("empty conversation")
     messages = []
@@ -82,8 +89,6 @@ def chat_messages(record: dict, section: DataConfig) -> list[dict]:
         if not isinstance(turn.get(content_key), str):
             raise BadRecord(f"a {role} turn has no text {content_key!r}")
         messages.append({"role": role, "content": turn[content_key]})
-    if not any(m["role"] == "assistant" for m in messages):
-        raise BadRecord("no assistant turn")
     return messages
 
 
@@ -133,6 +138,6 @@ ENCODERS = {"text": encode_text, "instruction": encode_instruction, "chat": enco
 
 
 def prepare_tokenizer(tokenizer, formats: set[str]) -> None:
-    """Chat needs a template; a tokenizer without one gets DEFAULT_CHAT_TEMPLATE."""
-    if "chat" in formats and not tokenizer.chat_template:
+    """Chat and preference pairs need a template; a tokenizer without one gets DEFAULT_CHAT_TEMPLATE."""
+    if formats & {"chat", "preference"} and not tokenizer.chat_template:
         tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
