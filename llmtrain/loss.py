@@ -159,14 +159,14 @@ class TokenLoss:
         return _ChunkedHeadLoss.apply(self, hidden, targets, *_trainable_leaves(self, hidden[:1]))
 
     def _liger(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
         head = self.lm.get_output_embeddings()
         if type(head) is not nn.Linear:  # Liger reads the weight directly: a wrapper's own math would be lost
             raise ConfigError(f"train.loss_impl=liger needs a plain nn.Linear output layer, not {type(head).__name__}"
                               "; use train.loss_impl=chunked")
-        return liger_fused_linear_cross_entropy(hidden, head.weight, targets, head.bias, ignore_index=IGNORE,
-                                                reduction="sum", softcap=self.softcap)
+        fused = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="sum", softcap=self.softcap)
+        return fused(head.weight, hidden, targets, head.bias)
 
 
 def _trainable_leaves(loss: TokenLoss, probe: torch.Tensor) -> list[torch.Tensor]:
