@@ -15,9 +15,9 @@ The 1-minute load average before and after each benchmark is recorded (the machi
 
   overhead    recipes/finetune.py (llama-32k, fsdp2, 2 ranks, gloo) vs bench/bare_loop.py, the bare
               tutorial loop on the same model shape, seq_len, batch and ranks; steady-state tokens/s
-              after warm-up, 3 pairs in alternating order (A B, B A, ...), median ratio. Target >= 0.97x.
+              after warm-up, --pairs pairs (default 2) in alternating order (A B, B A, ...), median ratio. Target >= 0.97x.
   loss        the recipe with train.loss_impl=chunked vs full: step time and peak memory per rank at
-              llama-128k (targets: time <= 1.0x, memory <= 0.6x) and llama-32k (time <= 1.0x); 2 pairs each.
+              llama-128k (targets: time <= 1.0x, memory <= 0.6x) and llama-32k (time <= 1.0x); --pairs pairs each.
   trainer     useful (trained, non-pad) tokens/s on data/demo/chat.jsonl at llama-32k: the recipe (chat
               format, packing, DDP) vs transformers.Trainer (bench/hf_trainer.py: padding per batch with
               DataCollatorForSeq2Seq, DDP through accelerate), same model, steps and ranks. Target >= 1.3x.
@@ -99,8 +99,8 @@ def write_config(path: Path, base: Path, changes: dict) -> Path:
 
 
 class Ctx:
-    def __init__(self, quick: bool, work: Path, trl_venv: Path):
-        self.quick, self.work, self.trl_venv = quick, work, trl_venv
+    def __init__(self, quick: bool, work: Path, trl_venv: Path, pairs: int):
+        self.quick, self.work, self.trl_venv, self.pairs = quick, work, trl_venv, pairs
 
     def dir(self, name: str) -> Path:
         path = self.work / name
@@ -111,7 +111,7 @@ class Ctx:
 # -- 1. framework overhead -------------------------------------------------------------------------
 
 def bench_overhead(ctx: Ctx) -> dict:
-    steps, warmup, every, pairs = (6, 2, 2, 1) if ctx.quick else (25, 5, 5, 3)
+    steps, warmup, every, pairs = (6, 2, 2, 1) if ctx.quick else (12, 3, 3, ctx.pairs)
     work = ctx.dir("overhead")
     cfg = SHAPE_32K
 
@@ -165,8 +165,8 @@ def bench_overhead(ctx: Ctx) -> dict:
 
 def bench_loss(ctx: Ctx) -> dict:
     """train.loss_impl=chunked vs full through the recipe: step time and peak memory per rank."""
-    shapes = [("128k", SHAPE_128K, (4, 1) if ctx.quick else (7, 2)), ("32k", SHAPE_32K, (6, 2) if ctx.quick else (20, 5))]
-    pairs = 1 if ctx.quick else 2
+    shapes = [("128k", SHAPE_128K, (3, 1) if ctx.quick else (4, 1)), ("32k", SHAPE_32K, (6, 2) if ctx.quick else (10, 3))]
+    pairs = 1 if ctx.quick else ctx.pairs
     work = ctx.dir("loss")
     rows, ratios_, raw = [], [], {}
     for label, cfg, (steps, warmup) in shapes:
@@ -218,7 +218,7 @@ def trl_python(ctx: Ctx) -> Path:
 
 def vs_hf(ctx: Ctx, kind: str) -> dict:
     """Useful tokens/s of the recipe (chat, packed, ddp) vs transformers' Trainer or TRL's SFTTrainer."""
-    steps, warmup, window, pairs = (6, 2, 2, 1) if ctx.quick else (16, 6, 5, 2)
+    steps, warmup, window, pairs = (6, 2, 2, 1) if ctx.quick else (10, 3, 3, ctx.pairs)
     work = ctx.dir(kind)
     cfg = write_config(work / "chat.yaml", SHAPE_32K, {"data": {"path": "data/demo/chat.jsonl", "format": "chat",
                                                                 "packing": True},
@@ -552,6 +552,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny versions of every benchmark (a smoke run)")
     p.add_argument("--only", nargs="+", choices=NAMES, metavar="NAME", help=f"run only these: {', '.join(NAMES)}")
     p.add_argument("--results-dir", type=Path, default=BENCH / "results")
+    p.add_argument("--pairs", type=int, default=2,
+                   help="A B / B A pairs of the overhead, loss, trainer and trl benchmarks (1 on a busy machine)")
     p.add_argument("--trl-venv", type=Path, default=REPO / ".venv-trl",
                    help="virtual environment for TRL (the trl benchmark); created when missing")
     p.add_argument("--keep", action="store_true", help="keep the working directory (logs, runs) in outputs/")
@@ -559,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     names = [n for n in NAMES if not args.only or n in args.only]
     (REPO / "outputs").mkdir(exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-", dir=REPO / "outputs"))
-    ctx = Ctx(args.quick, work, args.trl_venv)
+    ctx = Ctx(args.quick, work, args.trl_venv, args.pairs)
     started = time.time()
     results: dict = {}
     load = [os.getloadavg()[0]]
