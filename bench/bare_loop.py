@@ -4,8 +4,8 @@ pipeline, no clipping, no metrics. The baseline of bench/run.py's framework-over
     torchrun --standalone --nproc_per_node=2 bench/bare_loop.py --config configs/demo.yaml \
         --steps 40 --warmup 10 [--every 5] --out result.json [--strategy fsdp2|ddp]
 
-From the config file it takes only the shape: model.config (inline Llama config), tokenizer.path
-(for the vocabulary size, as llmtrain does), data.seq_len, train.micro_batch_size, train.lr,
+From the config file it takes only the shape: model.config (inline Llama config; without a vocab_size,
+the tokenizer's size, as llmtrain does), data.seq_len, train.micro_batch_size, train.lr,
 train.seed and parallel.strategy. One fixed random token batch per rank is reused every step.
 Timed on rank 0 between barriers: the steps after --warmup, and windows of --every steps.
 """
@@ -38,7 +38,8 @@ def main() -> None:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    vocab = len(AutoTokenizer.from_pretrained(cfg["tokenizer"]["path"]))
+    # As llmtrain: model.config's vocab_size if set, else the tokenizer's size.
+    vocab = cfg["model"]["config"].pop("vocab_size", None) or len(AutoTokenizer.from_pretrained(cfg["tokenizer"]["path"]))
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, use_cache=False, **cfg["model"]["config"]))
     if strategy == "fsdp2":

@@ -7,13 +7,23 @@ CPU times on a shared machine are not stable; ratios of interleaved runs are).
 Prints one markdown table per benchmark, then a summary of the ratios against their targets, and
 writes <results-dir>/<YYYY-MM-DD>.json (<date>-quick.json with --quick) and a PNG of the ratios next
 to it. A later run on the same day with --only replaces only the benchmarks it ran in that file.
+The 1-minute load average before and after each benchmark is recorded (the machine may be shared).
 
-  overhead    recipes/finetune.py (configs/demo.yaml, 2 ranks, gloo) vs bench/bare_loop.py, the bare
+  Shapes (bench/configs/): llama-32k.yaml, a Llama 2 / Mistral proportion scaled down (vocab 32,000, hidden
+  256, 4 layers, 8 heads / 4 KV, untied, seq 256, micro-batch 4), and llama-128k.yaml (Llama 3's vocabulary
+  128,256, hidden 256, 2 layers, seq 2048, micro-batch 1). The demo model is used by `data` only.
+
+  overhead    recipes/finetune.py (llama-32k, fsdp2, 2 ranks, gloo) vs bench/bare_loop.py, the bare
               tutorial loop on the same model shape, seq_len, batch and ranks; steady-state tokens/s
-              after warm-up, 5 pairs in alternating order (A B, B A, ...), median ratio. Target >= 0.97x.
-  trainer     useful (trained, non-pad) tokens/s on data/demo/chat.jsonl: the recipe (chat format,
-              packing, DDP) vs transformers.Trainer (bench/hf_trainer.py: padding per batch with
+              after warm-up, --pairs pairs (default 2) in alternating order (A B, B A, ...), median ratio. Target >= 0.97x.
+  loss        the recipe with train.loss_impl=chunked vs full: step time and peak memory per rank at
+              llama-128k (targets: time <= 1.0x, memory <= 0.6x) and llama-32k (time <= 1.0x); --pairs pairs each.
+  trainer     useful (trained, non-pad) tokens/s on data/demo/chat.jsonl at llama-32k: the recipe (chat
+              format, packing, DDP) vs transformers.Trainer (bench/hf_trainer.py: padding per batch with
               DataCollatorForSeq2Seq, DDP through accelerate), same model, steps and ranks. Target >= 1.3x.
+  trl         the same against TRL's SFTTrainer (bench/trl_sft.py: packing and assistant-only loss on),
+              run from its own venv (--trl-venv, created with python3 -m venv + pip when missing), with
+              peak memory per rank. Target >= 2x.
   memory      per-rank bytes of parameters + gradients + AdamW state and peak RSS for ddp / fsdp /
               fsdp2 on an ~81M-parameter Llama (bench/memory_probe.py), and the host RAM used while
               loading it from a safetensors directory with 2 ranks vs one copy of the weights.
@@ -51,7 +61,9 @@ import yaml  # noqa: E402
 
 BENCH = REPO / "bench"
 DEMO = REPO / "configs" / "demo.yaml"
-NAMES = ["overhead", "trainer", "memory", "data", "checkpoint"]
+SHAPE_32K = BENCH / "configs" / "llama-32k.yaml"  # real proportions (Llama 2 / Mistral), scaled down
+SHAPE_128K = BENCH / "configs" / "llama-128k.yaml"  # Llama 3's vocabulary, seq 2048
+NAMES = ["overhead", "loss", "trainer", "trl", "memory", "data", "checkpoint"]
 TIMEOUT = 600
 
 
@@ -68,6 +80,15 @@ def table(header: list[str], rows: list[list]) -> str:
     return "\n".join(out)
 
 
+def describe_shape(cfg: Path) -> str:
+    c = yaml.safe_load(cfg.read_text())
+    m = c["model"]["config"]
+    return (f"{cfg.relative_to(REPO)}: vocab {m['vocab_size']:,}, hidden {m['hidden_size']}, {m['num_hidden_layers']} "
+            f"layers, {m['num_attention_heads']} heads / {m['num_key_value_heads']} KV, "
+            f"{'tied' if m['tie_word_embeddings'] else 'untied'} embeddings, seq {c['data']['seq_len']}, "
+            f"micro-batch {c['train']['micro_batch_size']}")
+
+
 def write_config(path: Path, base: Path, changes: dict) -> Path:
     """A copy of a YAML config with nested changes {"data": {"path": ...}} applied."""
     cfg = yaml.safe_load(base.read_text())
@@ -78,10 +99,8 @@ def write_config(path: Path, base: Path, changes: dict) -> Path:
 
 
 class Ctx:
-    def __init__(self, quick: bool, work: Path):
-        self.quick, self.work = quick, work
-        self.demo_tokens_per_sec: float | None = None  # from the overhead benchmark, reused by data
-        self.demo_source = ""
+    def __init__(self, quick: bool, work: Path, trl_venv: Path, pairs: int):
+        self.quick, self.work, self.trl_venv, self.pairs = quick, work, trl_venv, pairs
 
     def dir(self, name: str) -> Path:
         path = self.work / name
@@ -92,9 +111,9 @@ class Ctx:
 # -- 1. framework overhead -------------------------------------------------------------------------
 
 def bench_overhead(ctx: Ctx) -> dict:
-    steps, warmup, every, pairs = (6, 2, 2, 1) if ctx.quick else (40, 10, 5, 5)
+    steps, warmup, every, pairs = (6, 2, 2, 1) if ctx.quick else (12, 3, 3, ctx.pairs)
     work = ctx.dir("overhead")
-    cfg = DEMO
+    cfg = SHAPE_32K
 
     def run_recipe(i: int) -> tuple[float, float]:
         out = work / f"recipe_{i}"
@@ -118,12 +137,7 @@ def bench_overhead(ctx: Ctx) -> dict:
         bare.append(b)
         ratios_.append(a / b)
         best.append(a_best / b_best)
-    ctx.demo_tokens_per_sec = median(recipe)
-    ctx.demo_source = f"the overhead benchmark's recipe runs (median of {pairs})"
-    demo = yaml.safe_load(cfg.read_text())
-    shape = (f"demo model ({demo['model']['config']['hidden_size']} hidden, "
-             f"{demo['model']['config']['num_hidden_layers']} layers), {demo['parallel']['strategy']}, "
-             f"seq {demo['data']['seq_len']}, micro-batch {demo['train']['micro_batch_size']}, 2 ranks gloo")
+    shape = f"{describe_shape(cfg)}, fsdp2, 2 ranks gloo"
     rows = [[f"pair {i + 1} ({pair_order(i)})", f"{a:,.0f}", f"{b:,.0f}", f"{a / b:.3f}",
              f"{r:.3f}"] for i, (a, b, r) in enumerate(zip(recipe, bare, best))]
     rows.append(["**median**", f"{median(recipe):,.0f}", f"{median(bare):,.0f}", f"**{median(ratios_):.3f}**",
@@ -136,7 +150,7 @@ def bench_overhead(ctx: Ctx) -> dict:
              "window (less sensitive to bursts of load from other processes on the machine). "
              f"Spread of the per-pair ratios: {spread:.2f}x. The recipe adds real data loading (packed rows "
              "with position_ids, so attention is block-causal: llmtrain/attention.py), a token-weighted loss "
-             "with two all-reduces, grad clipping, a preemption all-reduce and metrics per step, and it uses "
+             "(train.loss_impl=chunked, the default) with two all-reduces, grad clipping, a preemption all-reduce and metrics per step, and it uses "
              "fused AdamW; the bare loop reuses one random batch with plain causal attention and torch's "
              "default (per-parameter) AdamW.")
     return {"title": "Framework overhead: recipe vs bare loop", "table": text,
@@ -147,62 +161,144 @@ def bench_overhead(ctx: Ctx) -> dict:
                     "config": str(cfg.relative_to(REPO))}}
 
 
+# -- 1b. chunked loss vs full logits ---------------------------------------------------------------
+
+def bench_loss(ctx: Ctx) -> dict:
+    """train.loss_impl=chunked vs full through the recipe: step time and peak memory per rank."""
+    shapes = [("128k", SHAPE_128K, (3, 1) if ctx.quick else (4, 1)), ("32k", SHAPE_32K, (6, 2) if ctx.quick else (10, 3))]
+    pairs = 1 if ctx.quick else ctx.pairs
+    work = ctx.dir("loss")
+    rows, ratios_, raw = [], [], {}
+    for label, cfg, (steps, warmup) in shapes:
+        def run_impl(impl: str):
+            def go(i: int) -> tuple[float, float]:
+                out = work / f"{label}_{impl}_{i}"
+                torchrun([RECIPE, "--config", cfg, f"output_dir={out}", f"train.max_steps={steps}", "log.every_steps=1",
+                          "log.progress=false", "checkpoint.resume=never", f"train.loss_impl={impl}"],
+                         timeout=TIMEOUT, log=work / f"{label}_{impl}_{i}.log")
+                records = train_records(out)
+                return steady_tokens_per_sec(records, warmup), max(r["mem_gb"] for r in records)
+            return go
+
+        runs = alternating_pairs(pairs, run_impl("chunked"), run_impl("full"))
+        time_ratio = median([f[0] / c[0] for c, f in runs])  # chunked step time / full step time
+        mem_ratio = median([c[1] / f[1] for c, f in runs])
+        for i, (c, f) in enumerate(runs):
+            rows.append([f"{label}, pair {i + 1} ({pair_order(i)})", f"{c[0]:,.0f}", f"{f[0]:,.0f}", f"{f[0] / c[0]:.3f}",
+                         f"{c[1]:.2f}", f"{f[1]:.2f}", f"{c[1] / f[1]:.2f}"])
+        rows.append([f"**{label} median**", "", "", f"**{time_ratio:.3f}**", "", "", f"**{mem_ratio:.2f}**"])
+        ratios_.append(ratio(f"loss {label}: chunked / full step time", time_ratio, 1.0, "<="))
+        if label == "128k":
+            ratios_.append(ratio("loss 128k: chunked / full peak memory per rank", mem_ratio, 0.6, "<="))
+        raw[label] = {"runs": runs, "steps": steps, "warmup": warmup, "config": str(cfg.relative_to(REPO)),
+                      "shape": describe_shape(cfg)}
+    text = table(["run (A = chunked, B = full)", "chunked tokens/s", "full tokens/s", "step time chunked / full",
+                  "chunked peak GiB / rank", "full peak GiB / rank", "memory chunked / full"], rows)
+    text += ("\n\nThe recipe with train.loss_impl=chunked (A) and full (B), fsdp2, 2 ranks gloo, packed text "
+             "(every position trained). Shapes: " + "; ".join(f"**{k}** {v['shape']}, {v['steps']} steps, the first "
+                                                         f"{v['warmup']} left out" for k, v in raw.items()) +
+             ". Peak memory: the recipe's mem_gb (peak RSS of the process, max over ranks; it includes start-up).")
+    return {"title": "Chunked loss vs full logits", "table": text, "ratios": ratios_, "raw": raw}
+
+
 # -- 2. vs the HF Trainer --------------------------------------------------------------------------
 
-def bench_trainer(ctx: Ctx) -> dict:
-    steps, warmup, window, pairs = (6, 2, 2, 1) if ctx.quick else (20, 8, 4, 3)
-    work = ctx.dir("trainer")
-    cfg = write_config(work / "chat.yaml", DEMO, {"data": {"path": "data/demo/chat.jsonl", "format": "chat",
-                                                            "packing": True},
-                                                   "parallel": {"strategy": "ddp"}})
+TRL_PINS = ["torch==2.13.0", "trl==1.16.0", "transformers==5.24.0", "datasets", "accelerate", "pyyaml"]
 
-    def run_recipe(i: int) -> tuple[float, float, float]:
+
+def trl_python(ctx: Ctx) -> Path:
+    """TRL is no dependency of llmtrain: its own virtual environment, made once with python3 -m venv."""
+    venv = ctx.trl_venv
+    if not (venv / "bin" / "torchrun").is_file():
+        print(f"creating {venv} for TRL ({' '.join(TRL_PINS)})", flush=True)
+        run(["python3", "-m", "venv", venv], timeout=TIMEOUT)
+        run([venv / "bin" / "pip", "install", "-q", *TRL_PINS], timeout=3 * TIMEOUT)
+    return venv / "bin"
+
+
+def vs_hf(ctx: Ctx, kind: str) -> dict:
+    """Useful tokens/s of the recipe (chat, packed, ddp) vs transformers' Trainer or TRL's SFTTrainer."""
+    steps, warmup, window, pairs = (6, 2, 2, 1) if ctx.quick else (10, 3, 3, ctx.pairs)
+    work = ctx.dir(kind)
+    cfg = write_config(work / "chat.yaml", SHAPE_32K, {"data": {"path": "data/demo/chat.jsonl", "format": "chat",
+                                                                "packing": True},
+                                                       "parallel": {"strategy": "ddp"}})
+    micro, seq = yaml.safe_load(cfg.read_text())["train"]["micro_batch_size"], yaml.safe_load(cfg.read_text())["data"]["seq_len"]
+    other = {"trainer": ("HF Trainer", BENCH / "hf_trainer.py", None),
+             "trl": ("TRL SFTTrainer", BENCH / "trl_sft.py", trl_python(ctx) if kind == "trl" else None)}
+    name, script, bindir = other[kind]
+
+    def run_recipe(i: int) -> tuple[float, float, float, float]:
         out = work / f"recipe_{i}"
         torchrun([RECIPE, "--config", cfg, f"output_dir={out}", f"train.max_steps={steps}", "log.every_steps=1",
                   "log.progress=false", "checkpoint.resume=never"], timeout=TIMEOUT, log=work / f"recipe_{i}.log")
         records = train_records(out)
         rate, tokens, _ = useful_tokens_per_sec(records, warmup)
         return rate, tokens, best_window_rate([r["elapsed_s"] for r in records],
-                                              [r["trained_tokens"] for r in records], warmup, window)
+                                              [r["trained_tokens"] for r in records], warmup, window), \
+            max(r["mem_gb"] for r in records)
 
     def run_hf(i: int) -> dict:
         res = work / f"hf_{i}.json"
-        torchrun([BENCH / "hf_trainer.py", "--config", cfg, "--steps", steps, "--warmup", warmup,
-                  "--output-dir", work / f"hf_{i}", "--out", res], timeout=TIMEOUT, log=work / f"hf_{i}.log",
-                 env={"HF_DATASETS_CACHE": str(work / "hf_cache")})
+        args = [script, "--config", cfg, "--steps", steps, "--warmup", warmup, "--output-dir", work / f"hf_{i}",
+                "--out", res]
+        env = {"HF_DATASETS_CACHE": str(work / "hf_cache")}
+        if bindir is None:
+            torchrun(args, timeout=TIMEOUT, log=work / f"hf_{i}.log", env=env)
+        else:
+            run([bindir / "torchrun", "--standalone", "--nproc_per_node=2", *args], TIMEOUT, env, work / f"hf_{i}.log")
         return json.loads(res.read_text())
 
-    ours, hf, hf_info, ratios_, our_tok, hf_tok, best = [], [], {}, [], [], [], []
-    for (rate, tokens, a_best), hf_info in alternating_pairs(pairs, run_recipe, run_hf):
+    ours, hf, ratios_, our_tok, hf_tok, best, our_mem, hf_mem = [], [], [], [], [], [], [], []
+    for (rate, tokens, a_best, mem), hf_info in alternating_pairs(pairs, run_recipe, run_hf):
         ours.append(rate)
         hf.append(hf_info["useful_tokens_per_sec"])
         our_tok.append(tokens / (steps - warmup))
         hf_tok.append(hf_info["trained_tokens"] / (steps - warmup))
         ratios_.append(rate / hf_info["useful_tokens_per_sec"])
         best.append(a_best / best_window_rate(hf_info["step_end_s"], hf_info["step_trained_tokens"], warmup, window))
-    rows = [[f"pair {i + 1} ({pair_order(i)})", f"{a:,.0f}", f"{b:,.0f}", f"{a / b:.2f}",
-             f"{r:.2f}"] for i, (a, b, r) in enumerate(zip(ours, hf, best))]
+        our_mem.append(mem)
+        hf_mem.append(hf_info["peak_rss_bytes"] / 2**30)
+    rows = [[f"pair {i + 1} ({pair_order(i)})", f"{a:,.0f}", f"{b:,.0f}", f"{a / b:.2f}", f"{r:.2f}",
+             f"{m:.2f} / {n:.2f}"] for i, (a, b, r, m, n) in enumerate(zip(ours, hf, best, our_mem, hf_mem))]
     rows.append(["**median**", f"{median(ours):,.0f}", f"{median(hf):,.0f}", f"**{median(ratios_):.2f}**",
-                 f"{median(best):.2f}"])
+                 f"{median(best):.2f}", f"{median(our_mem):.2f} / {median(hf_mem):.2f}"])
     pad = 1 - hf_info["real_tokens"] / hf_info["tokens"]
-    text = table(["run (A = recipe, B = Trainer)", "recipe useful tokens/s", "HF Trainer useful tokens/s",
-                  "recipe / Trainer", f"best {window}-step window, recipe / Trainer"], rows)
-    text += (f"\n\nUseful = label positions that carry a loss (assistant turns), all ranks. Per step (2 ranks x "
-             f"micro-batch 8): recipe {median(our_tok):,.0f} trained tokens in 8 packed rows of 256 per rank; "
-             f"Trainer {median(hf_tok):,.0f} in 8 padded rows per rank ({pad:.0%} of its positions are padding). "
-             f"What the Trainer ran: {hf_info['wrapper']} over {hf_info['backend']} "
+    text = table([f"run (A = recipe, B = {name})", "recipe useful tokens/s", f"{name} useful tokens/s",
+                  f"recipe / {name}", f"best {window}-step window, recipe / {name}",
+                  "peak GiB / rank, recipe / " + name], rows)
+    if kind == "trl":
+        how = (f"TRL {hf_info['trl']} SFTTrainer: packing=True (strategy {hf_info['packing_strategy']}: padding-free "
+               f"rows with position_ids), assistant_only_loss=True, max_length {seq}, attention "
+               f"{hf_info['attn_implementation']}, TRL defaults otherwise, in its own venv ({ctx.trl_venv})")
+    else:
+        how = f"DataCollatorForSeq2Seq(padding=True): {pad:.0%} of its positions are padding"
+    text += (f"\n\nShape: {describe_shape(cfg)}, chat data (data/demo/chat.jsonl), 2 ranks gloo, fp32. Useful = label "
+             f"positions that carry a loss (assistant turns), all ranks. Per step (2 ranks x micro-batch {micro}): "
+             f"recipe {median(our_tok):,.0f} trained tokens in packed rows of {seq}; {name} "
+             f"{median(hf_tok):,.0f}. {name}: {how}; {hf_info['wrapper']} over {hf_info['backend']} "
              f"({hf_info['distributed_type']}; on CPU accelerate ignores FSDP settings, so DDP), "
-             f"find_unused_parameters={hf_info['find_unused_parameters']} (its default), "
-             "DataCollatorForSeq2Seq(padding=True), fp32. The recipe ran DDP too (parallel.strategy=ddp), "
-             f"data.format=chat, data.packing=true. {steps} steps, the first {warmup} left out; time from "
-             "rank 0 at the end of each step (the recipe's elapsed_s, a Trainer callback's on_step_end). "
-             f"Spread of the per-pair ratios: {max(ratios_) / min(ratios_):.2f}x.")
-    return {"title": "Useful tokens/s vs the HF Trainer (chat SFT)", "table": text,
-            "ratios": [ratio("trainer: recipe / HF Trainer useful tokens/s", median(ratios_), 1.3),
-                       ratio("trainer: best window, recipe / HF Trainer", median(best), 1.3)],
+             f"find_unused_parameters={hf_info['find_unused_parameters']}. The recipe ran DDP too "
+             f"(parallel.strategy=ddp), data.format=chat, data.packing=true, train.loss_impl=chunked. {steps} steps, the "
+             "first {warmup} left out; time from rank 0 at the end of each step (the recipe's elapsed_s, a callback's "
+             "on_step_end). Peak memory: peak RSS of the process, max over ranks (the recipe's mem_gb). "
+             f"Spread of the per-pair ratios: {max(ratios_) / min(ratios_):.2f}x.").replace("{warmup}", str(warmup))
+    target = 1.3 if kind == "trainer" else 2.0
+    return {"title": f"Useful tokens/s vs {name} (chat SFT)", "table": text,
+            "ratios": [ratio(f"{kind}: recipe / {name} useful tokens/s", median(ratios_), target),
+                       ratio(f"{kind}: best window, recipe / {name}", median(best), target),
+                       ratio(f"{kind}: recipe / {name} peak memory per rank", median(our_mem) / median(hf_mem))],
             "raw": {"recipe_useful_tokens_per_sec": ours, "hf_useful_tokens_per_sec": hf, "ratios": ratios_,
-                    "best_window_ratios": best,
+                    "best_window_ratios": best, "recipe_peak_gib": our_mem, "hf_peak_gib": hf_mem,
                     "hf": hf_info, "steps": steps, "warmup": warmup}}
+
+
+def bench_trainer(ctx: Ctx) -> dict:
+    return vs_hf(ctx, "trainer")
+
+
+def bench_trl(ctx: Ctx) -> dict:
+    return vs_hf(ctx, "trl")
 
 
 # -- 3. memory -------------------------------------------------------------------------------------
@@ -278,13 +374,13 @@ def bench_memory(ctx: Ctx) -> dict:
 def bench_data(ctx: Ctx) -> dict:
     work = ctx.dir("data")
     scale, stream_rows = (1, 200) if ctx.quick else (10, 3000)
-    if ctx.demo_tokens_per_sec is None:  # --only data: a short demo run of its own
-        out = work / "demo"
-        steps, warmup = (6, 2) if ctx.quick else (20, 10)
-        torchrun([RECIPE, "--config", DEMO, f"output_dir={out}", f"train.max_steps={steps}", "log.every_steps=2",
-                  "log.progress=false", "checkpoint.resume=never"], timeout=TIMEOUT, log=work / "demo.log")
-        ctx.demo_tokens_per_sec = steady_tokens_per_sec(train_records(out), warmup)
-        ctx.demo_source = f"a {steps}-step demo run of its own (first {warmup} steps left out)"
+    # The demo's consumption (the overhead benchmark runs a larger shape): a short demo run of its own.
+    out = work / "demo"
+    steps, warmup = (6, 2) if ctx.quick else (20, 10)
+    torchrun([RECIPE, "--config", DEMO, f"output_dir={out}", f"train.max_steps={steps}", "log.every_steps=2",
+              "log.progress=false", "checkpoint.resume=never"], timeout=TIMEOUT, log=work / "demo.log")
+    train_tps = steady_tokens_per_sec(train_records(out), warmup)
+    demo_source = f"a {steps}-step demo run of its own (first {warmup} steps left out)"
     cache = work / "hf_cache"
     shutil.rmtree(cache, ignore_errors=True)
     cache.mkdir()
@@ -293,7 +389,6 @@ def bench_data(ctx: Ctx) -> dict:
          "--workdir", work / "corpus", "--streaming-rows", stream_rows, "--out", res], timeout=TIMEOUT,
         env={"HF_DATASETS_CACHE": str(cache)}, log=work / "data.log")
     d = json.loads(res.read_text())
-    train_tps = ctx.demo_tokens_per_sec
     build_ratio = d["row_tokens_per_sec"] / train_tps
     stream_ratio = d["stream_row_tokens_per_sec"] / (train_tps / 2)
     rows = [["map-style build (load + tokenize + pack), 1 process", f"{d['row_tokens_per_sec']:,.0f}",
@@ -305,7 +400,7 @@ def bench_data(ctx: Ctx) -> dict:
              f"format text, seq_len {d['seq_len']}, packing, cold datasets cache: {d['rows']:,} rows "
              f"({d['real_tokens']:,} real tokens) in {d['build_s']:.1f} s. Streaming: the first "
              f"{d['stream_rows']:,} rows (shuffle buffer 1000). Tokens are rows x seq_len on both sides. "
-             f"Consumption: the recipe's steady tokens/s on configs/demo.yaml, from {ctx.demo_source}. "
+             f"Consumption: the recipe's steady tokens/s on configs/demo.yaml, from {demo_source}. "
              "Streaming tokenizes in the training loop of every rank (not overlapped with compute), so it "
              f"costs about 1/{stream_ratio:.0f} of the step time.")
     return {"title": "Data pipeline vs training consumption", "table": text,
@@ -379,7 +474,7 @@ def bench_checkpoint(ctx: Ctx) -> dict:
                     "dd_write_2streams_s": two[0], "dd_mib": mib}}
 
 
-BENCHES = {"overhead": bench_overhead, "trainer": bench_trainer, "memory": bench_memory, "data": bench_data,
+BENCHES = {"overhead": bench_overhead, "loss": bench_loss, "trainer": bench_trainer, "trl": bench_trl, "memory": bench_memory, "data": bench_data,
            "checkpoint": bench_checkpoint}
 
 
@@ -457,12 +552,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny versions of every benchmark (a smoke run)")
     p.add_argument("--only", nargs="+", choices=NAMES, metavar="NAME", help=f"run only these: {', '.join(NAMES)}")
     p.add_argument("--results-dir", type=Path, default=BENCH / "results")
+    p.add_argument("--pairs", type=int, default=2,
+                   help="A B / B A pairs of the overhead, loss, trainer and trl benchmarks (1 on a busy machine)")
+    p.add_argument("--trl-venv", type=Path, default=REPO / ".venv-trl",
+                   help="virtual environment for TRL (the trl benchmark); created when missing")
     p.add_argument("--keep", action="store_true", help="keep the working directory (logs, runs) in outputs/")
     args = p.parse_args(argv)
     names = [n for n in NAMES if not args.only or n in args.only]
     (REPO / "outputs").mkdir(exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-", dir=REPO / "outputs"))
-    ctx = Ctx(args.quick, work)
+    ctx = Ctx(args.quick, work, args.trl_venv, args.pairs)
     started = time.time()
     results: dict = {}
     load = [os.getloadavg()[0]]

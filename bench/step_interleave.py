@@ -7,9 +7,10 @@ alternated step by step, so that load from other processes hits all of them alik
 launches on a shared machine differ by more than the effect measured):
 
   recipe     the recipe's loop body: next batch from llmtrain.data (packed rows with position_ids),
-             llmtrain.step.train_step (token-weighted loss, all-reduces, clipping, AdamW), the
+             llmtrain.step.train_step (token-weighted chunked loss, all-reduces, clipping, AdamW), the
              per-step preemption all-reduce
   recipe, arange positions   the same with position_ids 0..seq_len-1 (no block-causal mask)
+  recipe, train.loss_impl=full   the same with the full-logits loss
   bare       model(input_ids, labels).loss.backward(); opt.step(); zero_grad() on a random batch
   bare + packed positions    the bare step on a packed batch with its position_ids
 
@@ -39,6 +40,7 @@ def main() -> None:
 
     from llmtrain.step import train_step
     from llmtrain import data, distributed, model as model_lib, optim, parallelize
+    from llmtrain.loss import TokenLoss
     from llmtrain.config import load_config
 
     cfg = load_config(args.config, ["distributed.preflight=false"])
@@ -52,6 +54,7 @@ def main() -> None:
     model_lib.load_weights(model, cfg.model, mc, cfg.train.seed)
     model.train()
     opt = optim.build_optimizer(model, cfg.train, cfg.train.lr, no_decay)
+    losses = {impl: TokenLoss(impl, model, env.device) for impl in ("chunked", "full")}
     built = data.build(cfg.data, tok, cfg.train.seed, env.is_main, env.rank, env.world_size)
     micro, seq = cfg.train.micro_batch_size, cfg.data.seq_len
     steps = data.make_steps(built, micro, cfg.train.grad_accum_steps, env.world_size, env.rank, cfg.train.seed,
@@ -60,11 +63,12 @@ def main() -> None:
     rand = torch.randint(0, len(tok), (micro, seq), generator=torch.Generator().manual_seed(env.rank))
     arange = torch.arange(seq).expand(micro, -1)
 
-    def recipe_step(positions=None):
+    def recipe_step(positions=None, impl="chunked"):
         batches = next(steps)
         if positions is not None:
             batches = [{**b, "position_ids": positions} for b in batches]
-        train_step(model, plan, batches, opt, None, cfg.train.max_grad_norm, env.device, env.world_size)
+        train_step(model, plan, batches, opt, None, cfg.train.max_grad_norm, env.device, env.world_size,
+                   losses[impl])
         distributed.any_rank(False, False, device=env.device)
 
     def bare_step(ids, positions=None):
@@ -73,6 +77,7 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
 
     kinds = {"recipe": recipe_step, "recipe, arange positions": lambda: recipe_step(arange),
+             "recipe, train.loss_impl=full": lambda: recipe_step(impl="full"),
              "bare": lambda: bare_step(rand), "bare + packed positions":
              lambda: bare_step(packed["input_ids"], packed["position_ids"])}
     times = {k: [] for k in kinds}

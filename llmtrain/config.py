@@ -159,6 +159,11 @@ class TrainConfig:
     """Model init and data order; dropout uses seed + rank."""
     on_nan: Literal["stop", "skip"] = "stop"
     """Non-finite loss or gradient: stop (naming the step, saving nothing) or skip the update."""
+    loss_impl: Literal["chunked", "full", "liger"] = "chunked"
+    """chunked: loss from the final hidden states through the output layer a chunk of trained tokens at a time
+    (no [tokens x vocab] logits; same losses and gradients) | full: whole logits | liger: Liger Kernel (CUDA)."""
+    loss_chunk_tokens: int = 0
+    """train.loss_impl=chunked: trained tokens per chunk; 0: as many as make 64 MiB of fp32 logits (at least 64)."""
 
 
 @dataclass
@@ -373,6 +378,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("train.lr must be > 0")
     if len(cfg.train.betas) != 2:
         raise ConfigError("train.betas must have two values")
+    if cfg.train.loss_chunk_tokens < 0:
+        raise ConfigError("train.loss_chunk_tokens must be >= 0 (0: sized from the vocabulary)")
 
 
 def to_dict(cfg: Any) -> Any:

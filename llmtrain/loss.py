@@ -1,13 +1,31 @@
 """One token-weighted loss: the sum of per-token losses over every micro-batch and rank, divided by the
-global count of trained tokens. Gradients then equal those of one big batch, whatever the split."""
+global count of trained tokens. Gradients then equal those of one big batch, whatever the split.
+
+How the per-token losses are computed is `train.loss_impl`:
+  full     the model's logits, [tokens x vocab] in fp32, then cross-entropy (what transformers does)
+  chunked  the final hidden states of the trained tokens only, through the model's own output layer a
+           chunk of tokens at a time; each chunk's gradient is taken at once, so neither the logits nor
+           their gradient ever exist for more than one chunk
+  liger    Liger Kernel's fused linear cross-entropy (CUDA only, an optional extra)
+"""
 
 from __future__ import annotations
+
+import contextlib
+import importlib.util
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
 
+from llmtrain.config import ConfigError
 from llmtrain.data.formats import IGNORE
+
+# fp32 logits of one chunk (its softmax gradient is as big again): small next to a model's activations.
+CHUNK_BYTES = 64 << 20
+MIN_CHUNK_TOKENS = 64
 
 
 def trained_tokens(labels: torch.Tensor) -> torch.Tensor:
@@ -15,16 +33,193 @@ def trained_tokens(labels: torch.Tensor) -> torch.Tensor:
     return (labels[:, 1:] != IGNORE).sum()
 
 
+def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
+    """The labels shifted left (the last position gets IGNORE) rather than the logits sliced: slicing
+    would copy the whole logits tensor, and its gradient, every step."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+
+
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum (not mean) of next-token cross-entropies, in fp32 whatever the compute dtype. The labels are
-    shifted left (the last position gets IGNORE) rather than the logits sliced: slicing would copy the
-    whole logits tensor, and its gradient, every step."""
-    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+    """Sum (not mean) of next-token cross-entropies, in fp32 whatever the compute dtype."""
+    targets = next_token_targets(labels)
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
+def check(impl: str, device_type: str) -> None:
+    """Before any process group exists: liger needs CUDA and the liger-kernel package."""
+    if impl != "liger":
+        return
+    if device_type != "cuda":
+        raise ConfigError(f"train.loss_impl=liger runs Triton kernels on CUDA; this run is on {device_type}: "
+                          "use train.loss_impl=chunked (same memory saving, any device) or full")
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise ConfigError("train.loss_impl=liger needs the liger-kernel package (pip install 'llmtrain[liger]'); "
+                          "or use train.loss_impl=chunked")
+
+
+def _causal_lm(model: nn.Module) -> PreTrainedModel:
+    """The transformers model with the output layer, inside any DDP / FSDP1 / PEFT wrapper."""
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel) and module.get_output_embeddings() is not None:
+            return module
+    raise ConfigError(f"{type(model).__name__} has no output embeddings (get_output_embeddings() is None): "
+                      "use train.loss_impl=full")
+
+
+class TokenLoss:
+    """`loss_sum(model, batch)`: the summed next-token loss of one micro-batch, by `train.loss_impl`.
+
+    chunked and liger run inside the model's own forward, so that FSDP1/FSDP2 hold the output layer
+    gathered (once per micro-batch) and register their backward hooks on the loss, which the forward
+    returns: `logits_to_keep` (a mask of the trained positions) makes the model hand exactly their final
+    hidden states to its output layer; a pre-hook on that layer takes them and passes it zero rows
+    instead, and the model's `loss_function`, swapped for the call, returns the loss computed from them."""
+
+    def __init__(self, impl: str, model: nn.Module, device: torch.device, chunk_tokens: int = 0):
+        self.impl = impl
+        self.lm = _causal_lm(model)
+        cap = getattr(self.lm.config, "final_logit_softcapping", None)  # Gemma 2 / 3
+        self.softcap = float(cap) if cap else None
+        self.chunk_tokens = chunk_tokens or max(MIN_CHUNK_TOKENS, CHUNK_BYTES // (4 * self.lm.config.vocab_size))
+        if impl != "full":
+            self._check_head(model, device)
+
+    def describe(self) -> str:
+        if self.impl == "full":
+            return "loss: full logits (train.loss_impl=full)"
+        extra = f", final logit soft-capping {self.softcap:g}" if self.softcap else ""
+        return (f"loss: {self.impl} (train.loss_impl={self.impl}: logits of at most {self.chunk_tokens} trained "
+                f"tokens at a time{extra})")
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the model's forward does after its last norm: the output layer (the module, so that
+        wrappers such as PEFT's apply), then any soft-capping."""
+        logits = self.lm.get_output_embeddings()(hidden)
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    @contextlib.contextmanager
+    def _in_forward(self, on_hidden):
+        """For one model call: on_hidden(rows) gets what the model passes to its output layer, and its
+        result replaces them; the model's loss is what on_hidden stored in self._loss."""
+        def once(module, args):
+            handle.remove()  # on_hidden calls the layer itself
+            return on_hidden(args[0]), *args[1:]
+
+        handle = self.lm.get_output_embeddings().register_forward_pre_hook(once)
+        self.lm.loss_function = lambda *args, **kwargs: self._loss
+        try:
+            yield
+        finally:
+            handle.remove()
+            del self.lm._loss_function
+            self._loss = None
+
+    @torch.no_grad()
+    def _check_head(self, model: nn.Module, device: torch.device) -> None:
+        """One tiny forward (every rank: it is collective under FSDP): the model's own last logit against
+        head_logits() of the same hidden state. A family that transforms logits in a way not reproduced
+        here (a logit scale, say) is refused before training."""
+        ours = []
+
+        def probe(hidden):
+            ours.append(self.head_logits(hidden).float())
+            self._loss = None
+            return hidden
+
+        with self._in_forward(probe):
+            # Several distinct tokens: a padding id's embedding may be zero, and zero logits hide any scale.
+            ids = torch.arange(1, 5, device=device).remainder(self.lm.config.vocab_size)[None]
+            out = model(input_ids=ids, use_cache=False, logits_to_keep=1)
+        if not torch.allclose(ours[0], out.logits.float(), rtol=1e-3, atol=1e-4):
+            raise ConfigError(f"train.loss_impl={self.impl}: {type(self.lm).__name__} transforms its logits after "
+                              "the output layer in a way llmtrain does not reproduce; use train.loss_impl=full")
+
+    def loss_sum(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        inputs = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+        if self.impl == "full":
+            return token_loss_sum(model(**inputs).logits, batch["labels"])
+        targets = next_token_targets(batch["labels"])
+        keep = targets != IGNORE  # untrained positions (prompt, padding) never reach the output layer
+        flat = targets[keep]
+
+        def on_hidden(hidden):
+            self._loss = self._liger(hidden, flat) if self.impl == "liger" else self._chunked(hidden, flat)
+            return hidden[:0]
+
+        with self._in_forward(on_hidden):
+            return model(**inputs, labels=targets, logits_to_keep=keep).loss
+
+    def _chunked(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return sum((F.cross_entropy(self.head_logits(h).float(), t, reduction="sum")
+                        for h, t in zip(hidden.split(self.chunk_tokens), targets.split(self.chunk_tokens))),
+                       torch.zeros((), device=hidden.device))
+        return _ChunkedHeadLoss.apply(self, hidden, targets, *_trainable_leaves(self, hidden[:1]))
+
+    def _liger(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        head = self.lm.get_output_embeddings()
+        if type(head) is not nn.Linear:  # Liger reads the weight directly: a wrapper's own math would be lost
+            raise ConfigError(f"train.loss_impl=liger needs a plain nn.Linear output layer, not {type(head).__name__}"
+                              "; use train.loss_impl=chunked")
+        fused = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="sum", softcap=self.softcap)
+        return fused(head.weight, hidden, targets, head.bias)
+
+
+def _trainable_leaves(loss: TokenLoss, probe: torch.Tensor) -> list[torch.Tensor]:
+    """The leaf tensors the output layer's gradient reaches, found in the autograd graph of one row:
+    parameters (tied or not, LoRA's, FSDP2's gathered ones) or FSDP1's flat parameter, whose views the
+    layer uses. They become inputs of _ChunkedHeadLoss so that their gradients arrive in the real
+    backward pass, where the wrappers' hooks (reduce-scatter, DDP buckets, no_sync) expect them."""
+    with torch.enable_grad():
+        out = loss.head_logits(probe.detach())
+    leaves, seen, todo = [], set(), [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):  # AccumulateGrad
+            leaves.append(node.variable)
+        todo.extend(fn for fn, _ in node.next_functions)
+    return leaves
+
+
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """sum of cross-entropies of head_logits(hidden) against targets, chunk by chunk. Forward takes each
+    chunk's gradients (w.r.t. its hidden rows and the head's leaves) right away and keeps only those;
+    backward scales them by the incoming gradient. The head runs forward once, as in the full path."""
+
+    @staticmethod
+    def forward(ctx, loss: TokenLoss, hidden: torch.Tensor, targets: torch.Tensor, *leaves: torch.Tensor):
+        grad_hidden = torch.zeros_like(hidden)
+        grad_leaves = [None] * len(leaves)
+        total = torch.zeros((), device=hidden.device)
+        for start in range(0, len(targets), loss.chunk_tokens):
+            rows = slice(start, start + loss.chunk_tokens)
+            with torch.enable_grad():
+                h = hidden[rows].detach().requires_grad_()
+                chunk = F.cross_entropy(loss.head_logits(h).float(), targets[rows], reduction="sum")
+            grads = torch.autograd.grad(chunk, [h, *leaves])
+            grad_hidden[rows] = grads[0]
+            for i, g in enumerate(grads[1:]):
+                grad_leaves[i] = g if grad_leaves[i] is None else grad_leaves[i].add_(g)
+            total += chunk.detach()
+        ctx.save_for_backward(grad_hidden, *[g if g is not None else torch.zeros_like(x)
+                                             for g, x in zip(grad_leaves, leaves)])
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        grad_hidden, *grad_leaves = ctx.saved_tensors
+        return None, grad_hidden * grad_out, None, *(g * grad_out for g in grad_leaves)
+
+
 @torch.no_grad()
-def evaluate(model, batches, device: torch.device, autocast) -> tuple[float, int]:
+def evaluate(model, batches, device: torch.device, autocast, loss: TokenLoss) -> tuple[float, int]:
     """Token-weighted loss over every rank's validation batches: (global mean loss, global tokens).
     Collective: every rank must pass the same number of batches."""
     was_training = model.training
@@ -33,9 +228,8 @@ def evaluate(model, batches, device: torch.device, autocast) -> tuple[float, int
     for batch in batches:
         batch = {k: v.to(device) for k, v in batch.items()}
         with autocast():
-            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-        totals += torch.stack([token_loss_sum(logits, batch["labels"]).double(),
-                               trained_tokens(batch["labels"]).double()])
+            loss_sum = loss.loss_sum(model, batch)
+        totals += torch.stack([loss_sum.double(), trained_tokens(batch["labels"]).double()])
     dist.all_reduce(totals)
     model.train(was_training)
     return (totals[0] / totals[1].clamp(min=1)).item(), int(totals[1].item())

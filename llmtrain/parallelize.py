@@ -104,7 +104,9 @@ def apply_fsdp2(model: nn.Module, section: ParallelConfig, plan: Plan, mesh: Dev
     for i, layer in enumerate(layers):
         # The last layer's parameters are needed again at once by backward: keep them gathered.
         fully_shard(layer, reshard_after_forward=section.reshard_after_forward and i < len(layers) - 1, **kwargs)
-    fully_shard(model, reshard_after_forward=section.reshard_after_forward, **kwargs)
+    # The root (embeddings, final norm, output layer) is needed again as soon as backward starts: resharding
+    # it after forward would all-gather it twice per micro-batch (FSDP2's own default for a root).
+    fully_shard(model, reshard_after_forward=False, **kwargs)
     materialize(model, torch.device("cpu") if section.cpu_offload else device)
     return model
 

@@ -9,12 +9,13 @@ import torch
 from torch import nn
 
 from llmtrain.distributed import all_reduce
-from llmtrain.loss import token_loss_sum, trained_tokens
+from llmtrain.loss import TokenLoss, trained_tokens
 from llmtrain.parallelize import Plan, autocast, clip_grad_norm, grad_sync
 
 
 def train_step(model: nn.Module, plan: Plan, batches: list[dict], opt: torch.optim.Optimizer, scaler,
-               max_grad_norm: float, device: torch.device, world_size: int) -> tuple[float, float, int, bool]:
+               max_grad_norm: float, device: torch.device, world_size: int,
+               token_loss: TokenLoss) -> tuple[float, float, int, bool]:
     """One optimizer step over grad_accum_steps micro-batches.
     Returns (global loss, grad norm, trained tokens, whether the update was applied)."""
     local = torch.stack([trained_tokens(b["labels"]) for b in batches]).sum()
@@ -27,8 +28,7 @@ def train_step(model: nn.Module, plan: Plan, batches: list[dict], opt: torch.opt
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         with grad_sync(model, plan, enabled=i == len(batches) - 1):
             with autocast(plan, device):
-                logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-            loss = token_loss_sum(logits, batch["labels"])
+                loss = token_loss.loss_sum(model, batch)
             scaled = loss * scale
             (scaler.scale(scaled) if scaler else scaled).backward()
         loss_sum += loss.detach()

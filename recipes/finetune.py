@@ -73,6 +73,7 @@ def setup(args: argparse.Namespace) -> Config:
     checkpoint.check_writable(cfg.output_dir)
     checkpoint.resume_path(cfg.checkpoint, cfg.output_dir)
     metrics_lib.check(cfg.log)
+    loss_lib.check(cfg.train.loss_impl, device.type)
     return cfg
 
 
@@ -114,6 +115,8 @@ def train(cfg: Config, env: distributed.DistEnv) -> torch.nn.Module:
                  f"({env.backend}) | strategy {plan.strategy} ({plan.reason}) | {cfg.parallel.mixed_precision}")
     _, attn_why = attention.choose(cfg.model.attn_implementation, model_config)
     metrics.info(f"{parallelize.describe(model, plan)} | attention {attn_why}")
+    token_loss = loss_lib.TokenLoss(cfg.train.loss_impl, model, env.device, cfg.train.loss_chunk_tokens)  # collective
+    metrics.info(token_loss.describe())
     if state.step > 0:
         metrics.info(f"resumed at step {state.step} ({state.samples_seen} samples seen)")
     if env.is_main:
@@ -137,7 +140,7 @@ def train(cfg: Config, env: distributed.DistEnv) -> torch.nn.Module:
         lr = optim.lr_at(state.step, cfg.train, peak)
         optim.set_lr(opt, lr)
         loss, grad_norm, n_tokens, ok = train_step(model, plan, batches, opt, scaler, cfg.train.max_grad_norm,
-                                                   env.device, env.world_size)
+                                                   env.device, env.world_size, token_loss)
         if not ok and cfg.train.on_nan == "stop":
             raise FloatingPointError(f"non-finite loss ({loss}) or grad norm ({grad_norm}) at step {state.step + 1}; "
                                      "stopped without saving this state (train.on_nan=skip skips such steps)")
@@ -153,7 +156,7 @@ def train(cfg: Config, env: distributed.DistEnv) -> torch.nn.Module:
                          "skipped_steps": state.skipped_steps, "data_wait_s": data_wait, "elapsed_s": metrics.elapsed(),
                          **perf.collect()})  # collect() is a collective: every rank logs the same steps
         if cfg.eval.every_steps and (state.step % cfg.eval.every_steps == 0 or state.step == cfg.train.max_steps):
-            evaluate(model, plan, built.val, cfg, env, state.step, metrics)
+            evaluate(model, plan, built.val, cfg, env, state.step, metrics, token_loss)
         ckpt.poll()
         preempted, timer = distributed.any_rank(preemption.signal is not None, ckpt.timer_fired(), device=env.device)
         last = state.step == cfg.train.max_steps
@@ -176,9 +179,11 @@ def train(cfg: Config, env: distributed.DistEnv) -> torch.nn.Module:
     return model
 
 
-def evaluate(model, plan, val, cfg: Config, env: distributed.DistEnv, step: int, metrics: MetricsLogger) -> None:
+def evaluate(model, plan, val, cfg: Config, env: distributed.DistEnv, step: int, metrics: MetricsLogger,
+             token_loss: loss_lib.TokenLoss) -> None:
     batches = data.eval_batches(val, cfg.train.micro_batch_size, env.world_size, env.rank, cfg.eval.max_batches)
-    val_loss, _ = loss_lib.evaluate(model, batches, env.device, lambda: parallelize.autocast(plan, env.device))
+    val_loss, _ = loss_lib.evaluate(model, batches, env.device, lambda: parallelize.autocast(plan, env.device),
+                                    token_loss)
     metrics.log({"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))})
 
 

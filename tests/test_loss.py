@@ -1,0 +1,90 @@
+"""train.loss_impl: the chunked loss gives the full-logits loss and gradients (in-process on tiny models:
+tied and untied embeddings, Gemma 2's final logit soft-capping, ignored positions and rows), refuses a
+model whose logits it cannot reproduce, and matches the reference run under FSDP1/FSDP2 in many chunks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, CohereConfig, Gemma2Config, LlamaConfig
+
+from conftest import losses, run_side_by_side, RECIPE
+from llmtrain.config import ConfigError
+from llmtrain.data.formats import IGNORE
+from llmtrain.loss import TokenLoss, check, token_loss_sum
+
+VOCAB, SEQ = 96, 12
+SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)
+
+
+def tiny(config) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config._attn_implementation = "eager"
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).train()
+
+
+def batch() -> dict:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (3, SEQ), generator=g)
+    labels = ids.clone()
+    labels[0, :5] = IGNORE  # a prompt
+    labels[1] = IGNORE  # a row with nothing trained
+    labels[2, -3:] = IGNORE  # padding
+    return {"input_ids": ids, "labels": labels, "position_ids": torch.arange(SEQ).expand(3, -1)}
+
+
+def loss_and_grads(model, fn) -> tuple[torch.Tensor, dict]:
+    model.zero_grad(set_to_none=True)
+    loss = fn()
+    (loss * 0.37).backward()  # train_step scales the summed loss
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("config", [
+    LlamaConfig(**SMALL, tie_word_embeddings=True),
+    LlamaConfig(**SMALL, tie_word_embeddings=False),
+    Gemma2Config(**SMALL, head_dim=8, final_logit_softcapping=0.5, tie_word_embeddings=True),
+], ids=["llama-tied", "llama-untied", "gemma2-softcap"])
+def test_chunked_matches_full_loss_and_gradients(config):
+    model, b = tiny(config), batch()
+    chunked = TokenLoss("chunked", model, torch.device("cpu"), chunk_tokens=5)  # 16 trained tokens: 4 chunks
+    full_loss, full_grads = loss_and_grads(model, lambda: token_loss_sum(model(
+        input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False).logits, b["labels"]))
+    loss, grads = loss_and_grads(model, lambda: chunked.loss_sum(model, b))
+    assert loss.item() == pytest.approx(full_loss.item(), abs=1e-5)
+    for name, g in full_grads.items():
+        assert (grads[name] - g).abs().max().item() < 1e-5, name
+    with torch.no_grad():  # the eval path
+        assert chunked.loss_sum(model, b).item() == pytest.approx(full_loss.item(), abs=1e-5)
+    # the model is left as it was: no hook, its own loss function
+    out = model(input_ids=b["input_ids"], labels=b["input_ids"])
+    assert out.logits.shape == (3, SEQ, VOCAB) and torch.isfinite(out.loss)
+
+
+def test_unreproduced_logit_transform_is_refused():
+    model = tiny(CohereConfig(**SMALL, logit_scale=0.5))  # Cohere scales its logits after lm_head
+    with pytest.raises(ConfigError, match="train.loss_impl=full"):
+        TokenLoss("chunked", model, torch.device("cpu"))
+    assert TokenLoss("full", model, torch.device("cpu")).impl == "full"
+
+
+def test_liger_needs_cuda():
+    with pytest.raises(ConfigError, match="train.loss_impl=liger.*cpu"):
+        check("liger", "cpu")
+
+
+@pytest.mark.slow
+def test_chunked_under_fsdp_matches_reference(tmp_path, reference):
+    """Many chunks per micro-batch under FSDP1 and FSDP2 (the output layer in the root unit), and the full
+    path through the recipe, against the reference run (chunked by default, one process)."""
+    runs = {name: (tmp_path / name, nproc, [*overrides, "train.micro_batch_size=2"], RECIPE) for name, nproc, overrides in [
+        ("fsdp", 2, ["parallel.strategy=fsdp", "train.loss_chunk_tokens=16"]),
+        ("fsdp2", 2, ["parallel.strategy=fsdp2", "train.loss_chunk_tokens=16"]),
+        ("full", 1, ["parallel.strategy=none", "train.loss_impl=full", "train.grad_accum_steps=2"]),
+    ]}
+    results = run_side_by_side(runs, at_once=len(runs))
+    for name in runs:
+        assert losses(tmp_path / name) == pytest.approx(reference, abs=2e-5), name
+    assert "loss: chunked (train.loss_impl=chunked: logits of at most 16 trained tokens" in results["fsdp"].stdout
+    assert "loss: full logits" in results["full"].stdout
