@@ -35,13 +35,17 @@ from llmtrain.model import WEIGHTS_FILE, WEIGHTS_INDEX
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"
 HF_CONFIG_DIR = "hf_config"
+# DCP's load fails on any key of these missing from the checkpoint, so set_state_dict may be non-strict.
+SAVED = StateDictOptions(ignore_frozen_params=True)
 
 
-def full_state_dict(model: nn.Module, strategy: str, device: torch.device) -> dict[str, torch.Tensor]:
+def full_state_dict(model: nn.Module, strategy: str, device: torch.device,
+                    trainable_only: bool = False) -> dict[str, torch.Tensor]:
     """Every rank must call this (it gathers shards); the tensors are on rank 0's CPU.
     FSDP1 with cpu_offload on CPU segfaults rank 0 (torch 2.13), so there every rank keeps a copy."""
     offload = not (strategy == "fsdp" and device.type == "cpu")
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=offload))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=offload,
+                                                                 ignore_frozen_params=trainable_only))
     return {k: v.detach().cpu() for k, v in state.items()} if dist.get_rank() == 0 else {}
 
 
@@ -108,6 +112,7 @@ class TrainState:
     global_batch: int = 0
     world_size: int = 0
     data: dict = field(default_factory=dict)  # the data position (llmtrain.data make_steps)
+    base: dict = field(default_factory=dict)  # LoRA: the frozen base's path and fingerprint (llmtrain.lora)
 
 
 def _rng_state() -> dict:
@@ -198,7 +203,8 @@ class CheckpointManager:
 
     # -- what to save -------------------------------------------------------------------------------
     def _tensors(self) -> dict:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        # Frozen parameters (a LoRA base) are not saved: a resume reads them from model.path again.
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=SAVED)
         return {"model": model_sd, "optim": optim_sd}
 
     def due(self, step: int, timer_fired: bool) -> bool:
@@ -284,7 +290,8 @@ class CheckpointManager:
         tensors = self._tensors()
         dcp.load(tensors, checkpoint_id=str(path))
         set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"],
-                       optim_state_dict=tensors["optim"])
+                       optim_state_dict=tensors["optim"], options=StateDictOptions(ignore_frozen_params=True,
+                                                                                    strict=False))
         state = TrainState(**json.loads((path / STATE_FILE).read_text()))
         rng = path / f"rng_rank{self.rank}.json"
         if state.world_size == dist.get_world_size() and rng.is_file():

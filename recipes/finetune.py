@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 from llmtrain import checkpoint, data, distributed, model as model_lib, optim, parallelize  # noqa: E402
 from llmtrain.config import Config, ConfigError, describe, load_config, to_yaml  # noqa: E402
-from llmtrain import launch, preflight  # noqa: E402
+from llmtrain import launch, lora, preflight  # noqa: E402
 from llmtrain import loss as loss_lib  # noqa: E402
 from llmtrain.step import train_step  # noqa: E402
 from llmtrain import metrics as metrics_lib  # noqa: E402
@@ -71,7 +71,11 @@ def setup(args: argparse.Namespace) -> Config:
     device, _ = distributed.pick_device(cfg.distributed, distributed.local_rank_from_env())
     parallelize.check(cfg.parallel, distributed.world_size_from_env(), device.type)
     checkpoint.check_writable(cfg.output_dir)
-    checkpoint.resume_path(cfg.checkpoint, cfg.output_dir)
+    resume = checkpoint.resume_path(cfg.checkpoint, cfg.output_dir)
+    if cfg.lora.enabled:
+        lora.check_init_from(cfg.lora)
+    if resume is not None:  # a LoRA checkpoint has no base: it must be the one in model.path
+        lora.check_resume(resume, cfg.lora.enabled, cfg.model.path, cfg.model.config, cfg.train.seed)
     metrics_lib.check(cfg.log)
     return cfg
 
@@ -87,13 +91,21 @@ def train(cfg: Config, env: distributed.DistEnv) -> torch.nn.Module:
     tokenizer = model_lib.load_tokenizer(cfg.tokenizer.path or cfg.model.path, cfg.model.trust_remote_code)
     model_config = model_lib.load_model_config(cfg.model, tokenizer)
     model = model_lib.build_meta_model(model_config, cfg.model)
+    adapters = None
+    if cfg.lora.enabled:  # on the meta model, so that every strategy wraps the adapters with their layer
+        model = lora.apply(model, cfg.lora)
+        adapters = lora.initial_adapters(model, cfg.lora, cfg.train.seed)
     n_params = sum(p.numel() for p in model.parameters())
+    trained = [p for p in model.parameters() if p.requires_grad]
+    frozen_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
     no_decay = optim.no_decay_names(model)
-    plan = parallelize.resolve(cfg.parallel, n_params, env.world_size, env.device)
+    plan = parallelize.resolve(cfg.parallel, sum(p.numel() for p in trained), env.world_size, env.device,
+                               frozen_bytes)
+    params_line = lora.describe(model)
     mesh = distributed.build_mesh(env, cfg.parallel.replicate)
     model = parallelize.parallelize(model, cfg.parallel, plan, mesh, env.device)
-    if checkpoint.resume_path(cfg.checkpoint, cfg.output_dir) is None:
-        model_lib.load_weights(model, cfg.model, model_config, cfg.train.seed, env.device)
+    if checkpoint.resume_path(cfg.checkpoint, cfg.output_dir) is None or cfg.lora.enabled:
+        model_lib.load_weights(model, cfg.model, model_config, cfg.train.seed, env.device, adapters)
     else:  # the checkpoint holds every weight: reading model.path as well would be wasted I/O
         model_lib.init_buffers(model, env.device)
     model.train()
@@ -105,11 +117,14 @@ def train(cfg: Config, env: distributed.DistEnv) -> torch.nn.Module:
     global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * env.world_size
     ckpt = checkpoint.CheckpointManager(cfg.checkpoint, cfg.output_dir, model, opt, env.rank, to_yaml(cfg),
                                         model_config, tokenizer)
-    state = ckpt.resume() or checkpoint.TrainState(global_batch=global_batch, world_size=env.world_size)
+    state = ckpt.resume() or checkpoint.TrainState(global_batch=global_batch, world_size=env.world_size,
+                                                   base=base_fingerprint(cfg) if cfg.lora.enabled else {})
     metrics = MetricsLogger(cfg.output_dir, env.is_main, cfg.train.max_steps, state.step, cfg.log.progress,
                             append=state.step > 0, section=cfg.log, run_config=cfg)
     metrics.info(f"model: {n_params / 1e6:.2f}M parameters | {env.world_size} x {env.device.type} "
                  f"({env.backend}) | strategy {plan.strategy} ({plan.reason}) | {cfg.parallel.mixed_precision}")
+    if cfg.lora.enabled:
+        metrics.info(f"lora: {params_line} | r={cfg.lora.r} alpha={cfg.lora.alpha:g} | base {cfg.lora.base_dtype}")
     if state.step > 0:
         metrics.info(f"resumed at step {state.step} ({state.samples_seen} samples seen)")
     if env.is_main:
@@ -156,7 +171,7 @@ def train(cfg: Config, env: distributed.DistEnv) -> torch.nn.Module:
         if ckpt.due(state.step, timer) or preempted or (last and cfg.checkpoint.every_steps > 0):
             ckpt.save(state)
         if cfg.checkpoint.export_every_steps and state.step % cfg.checkpoint.export_every_steps == 0:
-            export(model, plan, env, cfg, model_config, tokenizer, Path(cfg.output_dir) / "hf" / f"step_{state.step}")
+            export(model, plan, env, cfg, model_config, tokenizer, f"step_{state.step}")
         if preempted:
             ckpt.wait()
             metrics.info(f"preempted: checkpoint step_{state.step} saved; exiting with code "
@@ -165,9 +180,8 @@ def train(cfg: Config, env: distributed.DistEnv) -> torch.nn.Module:
             raise Preempted()
 
     ckpt.wait()
-    out = Path(cfg.output_dir) / "hf"
-    export(model, plan, env, cfg, model_config, tokenizer, out)
-    metrics.info(f"exported Hugging Face model to {out}")
+    out = export(model, plan, env, cfg, model_config, tokenizer, "")
+    metrics.info(f"exported {' and '.join(map(str, out))}")
     metrics.close()
     return model
 
@@ -178,9 +192,20 @@ def evaluate(model, plan, val, cfg: Config, env: distributed.DistEnv, step: int,
     metrics.log({"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))})
 
 
-def export(model, plan, env, cfg: Config, model_config, tokenizer, out: Path) -> None:
-    checkpoint.export_hf(model, plan.strategy, env.device, out, model_config, tokenizer,
-                         parallelize.DTYPES[cfg.checkpoint.export_dtype], cfg.checkpoint.max_shard_size)
+def export(model, plan, env, cfg: Config, model_config, tokenizer, step_dir: str) -> list[Path]:
+    """output_dir/hf[/step_dir]; with LoRA, as lora.export says, also output_dir/adapter[/step_dir]."""
+    dtype = parallelize.DTYPES[cfg.checkpoint.export_dtype]
+    if cfg.lora.enabled:
+        return lora.export(model, plan.strategy, env.device, Path(cfg.output_dir), step_dir, cfg.lora, cfg.model.path,
+                           model_config, tokenizer, dtype, cfg.checkpoint.max_shard_size)
+    out = Path(cfg.output_dir) / "hf" / step_dir
+    checkpoint.export_hf(model, plan.strategy, env.device, out, model_config, tokenizer, dtype,
+                         cfg.checkpoint.max_shard_size)
+    return [out]
+
+
+def base_fingerprint(cfg: Config) -> dict:
+    return lora.fingerprint(cfg.model.path, cfg.model.config, cfg.train.seed)
 
 
 class Preempted(Exception):
