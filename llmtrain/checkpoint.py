@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 
 from llmtrain.config import CheckpointConfig, ConfigError
-from llmtrain.model import WEIGHTS_FILE, WEIGHTS_INDEX
+from llmtrain.model import WEIGHTS_FILE, WEIGHTS_INDEX, clean_name
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"
@@ -46,7 +46,16 @@ def full_state_dict(model: nn.Module, strategy: str, device: torch.device,
     offload = not (strategy == "fsdp" and device.type == "cpu")
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=offload,
                                                                  ignore_frozen_params=trainable_only))
+    if trainable_only:
+        state = without_frozen(model, state)
     return {k: v.detach().cpu() for k, v in state.items()} if dist.get_rank() == 0 else {}
+
+
+def without_frozen(model: nn.Module, state: dict) -> dict:
+    """ignore_frozen_params drops a frozen parameter under one name only: a tied output embedding would
+    still be saved under the other (torch 2.13)."""
+    frozen = {clean_name(n) for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in state.items() if k not in frozen}
 
 
 def publish(tmp: Path, final: Path) -> None:
@@ -205,7 +214,7 @@ class CheckpointManager:
     def _tensors(self) -> dict:
         # Frozen parameters (a LoRA base) are not saved: a resume reads them from model.path again.
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=SAVED)
-        return {"model": model_sd, "optim": optim_sd}
+        return {"model": without_frozen(self.model, model_sd), "optim": optim_sd}
 
     def due(self, step: int, timer_fired: bool) -> bool:
         every = self.section.every_steps

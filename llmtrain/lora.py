@@ -29,7 +29,8 @@ from llmtrain.config import ConfigError, LoraConfig
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
-ADAPTER = "default"  # PEFT's adapter name; its files leave it out
+ADAPTER = "default"
+SMALL_FILE = 64 << 20  # fingerprint: safetensors files hashed whole up to this size  # PEFT's adapter name; its files leave it out
 _OURS = re.compile(rf"\.(lora_[AB])\.{ADAPTER}\.|\.modules_to_save\.{ADAPTER}\.")
 
 
@@ -155,15 +156,24 @@ def _read_adapter(path: Path, wanted: dict[str, nn.Parameter], section: LoraConf
     return out
 
 
-def fingerprint(model_path: str | None, model_config: dict | None, seed: int) -> dict:
-    """What a LoRA checkpoint's base was: model.path and a hash of its safetensors headers and sizes (cheap:
-    no weights are read), or of the inline config and seed that made a random base."""
+def fingerprint(model_path: str | None, model_config: dict | None, seed: int, samples: int = 16) -> dict:
+    """What a LoRA checkpoint's base was: model.path and a hash of its safetensors headers, sizes and weights
+    (of a file above 64 MiB, 16 1-MiB blocks spread over it: two fine-tunes of one architecture share the
+    headers but not the bytes), or of the inline config and seed that made a random base."""
     h = hashlib.sha256()
     if model_path is not None:
         for f in sorted(Path(model_path).glob("*.safetensors")):
+            size = f.stat().st_size
             with f.open("rb") as fh:
-                size = int.from_bytes(fh.read(8), "little")
-                h.update(f.name.encode() + f.stat().st_size.to_bytes(8, "little") + fh.read(size))
+                header = 8 + int.from_bytes(fh.read(8), "little")
+                fh.seek(0)
+                h.update(f.name.encode() + size.to_bytes(8, "little") + fh.read(header))
+                if size - header <= SMALL_FILE:
+                    h.update(fh.read())
+                    continue
+                for i in range(samples):
+                    fh.seek(header + (size - header) * i // samples)
+                    h.update(fh.read(1 << 20))
     else:
         h.update(json.dumps(model_config, sort_keys=True).encode() + str(seed).encode())
     return {"path": model_path, "fingerprint": h.hexdigest()[:16]}
