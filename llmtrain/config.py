@@ -407,6 +407,9 @@ def validate(cfg: Config) -> None:
         if cfg.lora.base_dtype == "bf16" and cfg.parallel.mixed_precision != "bf16":
             # A bf16 base layer cannot take fp32 activations; with bf16 compute both sides match.
             raise ConfigError("lora.base_dtype=bf16 needs parallel.mixed_precision=bf16")
+        if cfg.lora.base_dtype == "bf16" and cfg.parallel.strategy == "fsdp":
+            raise ConfigError("lora.base_dtype=bf16: FSDP1 flattens each unit into one tensor of one dtype, "
+                              "and the adapters are fp32; use parallel.strategy fsdp2 or ddp")
 
 
 def to_dict(cfg: Any) -> Any:

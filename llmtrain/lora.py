@@ -12,7 +12,6 @@ weights after injection. It needs a GPU to test and is not done."""
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import math
@@ -198,24 +197,28 @@ def check_resume(checkpoint: Path, enabled: bool, model_path: str | None, model_
 
 
 def merged_state(state: dict[str, torch.Tensor], section: LoraConfig) -> dict[str, torch.Tensor]:
-    """A full (gathered) state dict of the training model -> the base names with every adapter merged in
-    (W + alpha/r * B @ A, PEFT's merge_and_unload) and modules_to_save copies in place of the originals."""
-    scale = section.alpha / section.r
-    out = {}
-    for name, t in state.items():
-        if is_adapter(name) or ".original_module." in name:
-            continue
-        out[base_name(name)] = t.float()
-    for name in state:
-        if f".lora_A.{ADAPTER}." in name:
-            a, b = state[name].float(), state[name.replace(".lora_A.", ".lora_B.")].float()
+    """A full (gathered) state dict of the training model -> base names, adapters merged in."""
+    base = {base_name(k): v for k, v in state.items() if not is_adapter(k) and ".modules_to_save." not in k}
+    return merge(base, {k: v for k, v in state.items() if is_adapter(k) or ".modules_to_save." in k}, section)
+
+
+def merge(base: dict[str, torch.Tensor], trained: dict[str, torch.Tensor], section: LoraConfig) -> dict:
+    """Base weights (by their own names) + adapters (by ours) -> PEFT's merge_and_unload in fp32:
+    W + alpha/r * B @ A, and modules_to_save copies in place of the originals."""
+    out = {k: v.float() for k, v in base.items()}
+    for name, t in trained.items():
+        if f".modules_to_save.{ADAPTER}." in name:
+            out[base_name(name)] = t.float()
+        elif f".lora_A.{ADAPTER}." in name:
+            b = trained[name.replace(".lora_A.", ".lora_B.")].float()
             target = base_name(name.replace(f".lora_A.{ADAPTER}.", ".base_layer."))
-            out[target] = out[target] + scale * (b @ a)
+            out[target] = out[target] + (section.alpha / section.r) * (b @ t.float())
     return out
 
 
-def write_adapter(adapters: dict[str, torch.Tensor], out: Path, model: nn.Module, base_path: str | None) -> None:
-    """PEFT's layout (rank 0): adapter_config.json + adapter_model.safetensors, published by rename."""
+def write_adapter(trained: dict[str, torch.Tensor], out: Path, section: LoraConfig, base_path: str | None) -> None:
+    """PEFT's layout (rank 0): adapter_config.json + adapter_model.safetensors, published by rename. The
+    config names the adapted modules one by one, as PEFT does after resolving all-linear."""
     import shutil
 
     from safetensors.torch import save_file
@@ -225,9 +228,10 @@ def write_adapter(adapters: dict[str, torch.Tensor], out: Path, model: nn.Module
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file({peft_key(n): t.float().contiguous() for n, t in adapters.items()}, tmp / ADAPTER_WEIGHTS,
+    save_file({peft_key(n): t.float().contiguous() for n, t in trained.items()}, tmp / ADAPTER_WEIGHTS,
               metadata={"format": "pt"})
-    config = copy.copy(model.peft_config[ADAPTER])
+    config = _peft_config(section)
+    config.target_modules = sorted({n.split(".lora_A.")[0] for n in trained if ".lora_A." in n})
     config.base_model_name_or_path = base_path
     config.inference_mode = True
     config.save_pretrained(str(tmp))
@@ -240,14 +244,13 @@ def export(model: nn.Module, strategy: str, device: torch.device, output_dir: Pa
     """Collective. output_dir/adapter[/step_dir] (PEFT) and/or output_dir/hf[/step_dir] (merged), as
     lora.export says; returns what was written."""
     from llmtrain.checkpoint import full_state_dict, write_hf
-    from llmtrain.parallelize import unwrap
 
     written = []
     if section.export in ("adapter", "both"):
         adapters = full_state_dict(model, strategy, device, trainable_only=True)
         out = output_dir / "adapter" / step_dir
         if dist.get_rank() == 0:
-            write_adapter(adapters, out, unwrap(model), base_path)
+            write_adapter(adapters, out, section, base_path)
         written.append(out)
     if section.export in ("merged", "both"):
         state = full_state_dict(model, strategy, device)

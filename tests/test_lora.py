@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
-from conftest import EXPORT_LOGITS, RECIPE, TINY, losses, losses_by_step, run_recipe, run_side_by_side
+from conftest import EXPORT_LOGITS, RECIPE, TINY, launch, losses, losses_by_step, run_recipe, run_side_by_side
 from llmtrain import lora
 from llmtrain.config import ConfigError, load_config
 from llmtrain.model import build_meta_model, load_model_config, load_tokenizer
@@ -43,6 +43,9 @@ def lora_args(base: Path, *extra: str) -> list[str]:
 MODULES_TO_SAVE = ("lora.modules_to_save=[model.norm]", "parallel.strategy=fsdp2", "train.micro_batch_size=2",
                    "train.max_steps=2")
 
+BF16_BASE = ("lora.base_dtype=bf16", "parallel.mixed_precision=bf16", "parallel.strategy=fsdp2",
+             "train.micro_batch_size=2")
+
 
 @pytest.fixture(scope="session")
 def lora_runs(tmp_path_factory, base) -> dict[str, Path]:
@@ -52,6 +55,7 @@ def lora_runs(tmp_path_factory, base) -> dict[str, Path]:
                                                  f"train.grad_accum_steps={accum}", *extra), script)
             for name, (ranks, micro, accum, extra, script) in SPLITS.items()}
     runs["modules_to_save"] = (root / "modules_to_save", 2, lora_args(base, *MODULES_TO_SAVE), EXPORT_LOGITS)
+    runs["bf16_base"] = (root / "bf16_base", 2, lora_args(base, *BF16_BASE), RECIPE)
     results = run_side_by_side(runs, at_once=len(runs))
     assert re.search(r"lora: trainable \S+K of \S+K \(\d+\.\d\d%\)", results["none"].stdout), results["none"].stdout
     return {name: out for name, (out, *_) in runs.items()}
@@ -151,3 +155,26 @@ def test_lora_bad_settings_name_the_key(tmp_path, base):
         load("lora.target_modules=qkv")
     with pytest.raises(ConfigError, match="lora.base_dtype=bf16 needs parallel.mixed_precision=bf16"):
         load("lora.base_dtype=bf16")
+    with pytest.raises(ConfigError, match="lora.base_dtype=bf16: FSDP1 flattens"):
+        load(*BF16_BASE, "parallel.strategy=fsdp")
+
+
+@pytest.mark.slow
+def test_lora_bf16_base_trains_close_to_fp32(lora_runs):
+    """bf16 storage of the frozen base and bf16 compute (fsdp2): the fp32 run's losses to bf16 precision."""
+    assert losses(lora_runs["bf16_base"]) == pytest.approx(losses(lora_runs["none"]), abs=0.03)
+    assert load_file(lora_runs["bf16_base"] / "adapter" / "adapter_model.safetensors")[
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].dtype == torch.float32
+
+
+def test_lora_converter_matches_the_exports(tmp_path, lora_runs):
+    """step_4 of the 1-process run, converted offline (adapter + merged onto model.path's base), equals the
+    exports the run wrote at its end (step 4), tensor for tensor."""
+    run = lora_runs["none"]
+    res = launch(["-m", "llmtrain.convert", run / "checkpoints" / "step_4", tmp_path], torchrun=False, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for sub, name in (("adapter", "adapter_model.safetensors"), ("hf", "model.safetensors")):
+        converted, exported = load_file(tmp_path / sub / name), load_file(run / sub / name)
+        assert converted.keys() == exported.keys(), sub
+        for key, tensor in exported.items():
+            assert torch.equal(converted[key], tensor), (sub, key)
