@@ -75,6 +75,24 @@ def apply(model: nn.Module, section: LoraConfig) -> nn.Module:
     return model
 
 
+def prepare(model: nn.Module, section: LoraConfig, seed: int) -> tuple[nn.Module, dict[str, torch.Tensor] | None]:
+    """The meta model with adapters injected and their initial values ({name: full tensor}), or the model
+    unchanged and None when lora.enabled is off."""
+    if not section.enabled:
+        return model, None
+    model = apply(model, section)
+    return model, initial_adapters(model, section, seed)
+
+
+def check(section: LoraConfig, resume: Path | None, model_path: str | None, model_config: dict | None,
+          seed: int) -> None:
+    """Set-up checks: lora.init_from is a fitting PEFT adapter; a checkpoint to resume matches the base."""
+    if section.enabled:
+        check_init_from(section)
+    if resume is not None:
+        check_resume(resume, section.enabled, model_path, model_config, seed)
+
+
 def describe(model: nn.Module) -> str:
     """`trainable 6.8M of 1.24B (0.55%)`, counted on the meta model (tied weights once)."""
     params = {id(p): p for p in model.parameters()}.values()

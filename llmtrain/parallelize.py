@@ -67,10 +67,16 @@ def _device_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // ranks_here
 
 
+def trained_and_frozen(model: nn.Module) -> tuple[int, int]:
+    """(trained parameters, bytes of the frozen ones): a frozen LoRA base has no gradients or optimizer state."""
+    params = list(model.parameters())
+    return (sum(p.numel() for p in params if p.requires_grad),
+            sum(p.numel() * p.element_size() for p in params if not p.requires_grad))
+
+
 def resolve(section: ParallelConfig, n_params: int, world_size: int, device: torch.device,
             frozen_bytes: int = 0) -> Plan:
-    """n_params: the trained parameters; frozen_bytes: the storage of frozen ones (a LoRA base), which
-    have no gradients or optimizer state."""
+    """n_params: the trained parameters; frozen_bytes: the storage of frozen ones (trained_and_frozen)."""
     dtype = DTYPES[section.mixed_precision]
     if section.strategy != "auto":
         return Plan(section.strategy, "set by parallel.strategy", dtype)

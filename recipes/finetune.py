@@ -72,10 +72,7 @@ def setup(args: argparse.Namespace) -> Config:
     parallelize.check(cfg.parallel, distributed.world_size_from_env(), device.type)
     checkpoint.check_writable(cfg.output_dir)
     resume = checkpoint.resume_path(cfg.checkpoint, cfg.output_dir)
-    if cfg.lora.enabled:
-        lora.check_init_from(cfg.lora)
-    if resume is not None:  # a LoRA checkpoint has no base: it must be the one in model.path
-        lora.check_resume(resume, cfg.lora.enabled, cfg.model.path, cfg.model.config, cfg.train.seed)
+    lora.check(cfg.lora, resume, cfg.model.path, cfg.model.config, cfg.train.seed)
     metrics_lib.check(cfg.log)
     return cfg
 
@@ -91,17 +88,12 @@ def train(cfg: Config, env: distributed.DistEnv) -> torch.nn.Module:
     tokenizer = model_lib.load_tokenizer(cfg.tokenizer.path or cfg.model.path, cfg.model.trust_remote_code)
     model_config = model_lib.load_model_config(cfg.model, tokenizer)
     model = model_lib.build_meta_model(model_config, cfg.model)
-    adapters = None
-    if cfg.lora.enabled:  # on the meta model, so that every strategy wraps the adapters with their layer
-        model = lora.apply(model, cfg.lora)
-        adapters = lora.initial_adapters(model, cfg.lora, cfg.train.seed)
-    n_params = sum(p.numel() for p in model.parameters())
-    trained = [p for p in model.parameters() if p.requires_grad]
-    frozen_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    # LoRA: on the meta model, so that every strategy wraps the adapters with their layer. adapters: their init.
+    model, adapters = lora.prepare(model, cfg.lora, cfg.train.seed)
+    n_params, params_line = sum(p.numel() for p in model.parameters()), lora.describe(model)
     no_decay = optim.no_decay_names(model)
-    plan = parallelize.resolve(cfg.parallel, sum(p.numel() for p in trained), env.world_size, env.device,
-                               frozen_bytes)
-    params_line = lora.describe(model)
+    n_trained, frozen_bytes = parallelize.trained_and_frozen(model)
+    plan = parallelize.resolve(cfg.parallel, n_trained, env.world_size, env.device, frozen_bytes)
     mesh = distributed.build_mesh(env, cfg.parallel.replicate)
     model = parallelize.parallelize(model, cfg.parallel, plan, mesh, env.device)
     if checkpoint.resume_path(cfg.checkpoint, cfg.output_dir) is None or cfg.lora.enabled:
@@ -118,7 +110,8 @@ def train(cfg: Config, env: distributed.DistEnv) -> torch.nn.Module:
     ckpt = checkpoint.CheckpointManager(cfg.checkpoint, cfg.output_dir, model, opt, env.rank, to_yaml(cfg),
                                         model_config, tokenizer)
     state = ckpt.resume() or checkpoint.TrainState(global_batch=global_batch, world_size=env.world_size,
-                                                   base=base_fingerprint(cfg) if cfg.lora.enabled else {})
+                                                   base=lora.fingerprint(cfg.model.path, cfg.model.config,
+                                                                         cfg.train.seed) if cfg.lora.enabled else {})
     metrics = MetricsLogger(cfg.output_dir, env.is_main, cfg.train.max_steps, state.step, cfg.log.progress,
                             append=state.step > 0, section=cfg.log, run_config=cfg)
     metrics.info(f"model: {n_params / 1e6:.2f}M parameters | {env.world_size} x {env.device.type} "
@@ -202,10 +195,6 @@ def export(model, plan, env, cfg: Config, model_config, tokenizer, step_dir: str
     checkpoint.export_hf(model, plan.strategy, env.device, out, model_config, tokenizer, dtype,
                          cfg.checkpoint.max_shard_size)
     return [out]
-
-
-def base_fingerprint(cfg: Config) -> dict:
-    return lora.fingerprint(cfg.model.path, cfg.model.config, cfg.train.seed)
 
 
 class Preempted(Exception):

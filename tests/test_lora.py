@@ -178,3 +178,15 @@ def test_lora_converter_matches_the_exports(tmp_path, lora_runs):
         assert converted.keys() == exported.keys(), sub
         for key, tensor in exported.items():
             assert torch.equal(converted[key], tensor), (sub, key)
+
+
+def test_auto_strategy_counts_only_trained_state():
+    """A base whose full fine-tuning state would not fit (-> fsdp2) fits with LoRA (-> ddp): frozen weights
+    have no gradients or AdamW moments."""
+    from llmtrain.config import ParallelConfig
+    from llmtrain.parallelize import _device_memory, resolve
+
+    n = int(0.35 * _device_memory(torch.device("cpu")) / 16 * 2)  # twice what auto lets ddp hold
+    full = resolve(ParallelConfig(strategy="auto"), n, 2, torch.device("cpu"))
+    lora_ = resolve(ParallelConfig(strategy="auto"), n // 100, 2, torch.device("cpu"), frozen_bytes=4 * n)
+    assert (full.strategy, lora_.strategy) == ("fsdp2", "ddp"), (full.reason, lora_.reason)
