@@ -68,10 +68,12 @@ def apply(model: nn.Module, section: LoraConfig) -> nn.Module:
                           f"(e.g. {[n for n in names if n.count('.') < 2 and n][:8]})")
     model = peft.inject_adapter_in_model(_peft_config(section), model, adapter_name=ADAPTER)
     if section.base_dtype == "bf16":
+        cast = {}  # by parameter: tied embeddings stay one tensor
         for module in model.modules():  # frozen tensors only: adapters and their optimizer state stay fp32
             for name, p in module.named_parameters(recurse=False):
                 if not p.requires_grad:
-                    setattr(module, name, nn.Parameter(p.to(torch.bfloat16), requires_grad=False))
+                    new = cast.setdefault(p, nn.Parameter(p.to(torch.bfloat16), requires_grad=False))
+                    setattr(module, name, new)
     return model
 
 
