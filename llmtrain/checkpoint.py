@@ -33,21 +33,34 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 
 from llmtrain.config import CheckpointConfig, ConfigError
-from llmtrain.model import WEIGHTS_FILE, WEIGHTS_INDEX
+from llmtrain.model import WEIGHTS_FILE, WEIGHTS_INDEX, clean_name
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"
 MANIFEST = "manifest.json"
 HASH = "xxh3_64"
 HF_CONFIG_DIR = "hf_config"
+# DCP's load fails on any key of these missing from the checkpoint, so set_state_dict may be non-strict.
+SAVED = StateDictOptions(ignore_frozen_params=True)
 
 
-def full_state_dict(model: nn.Module, strategy: str, device: torch.device) -> dict[str, torch.Tensor]:
+def full_state_dict(model: nn.Module, strategy: str, device: torch.device,
+                    trainable_only: bool = False) -> dict[str, torch.Tensor]:
     """Every rank must call this (it gathers shards); the tensors are on rank 0's CPU.
     FSDP1 with cpu_offload on CPU segfaults rank 0 (torch 2.13), so there every rank keeps a copy."""
     offload = not (strategy == "fsdp" and device.type == "cpu")
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=offload))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=offload,
+                                                                 ignore_frozen_params=trainable_only))
+    if trainable_only:
+        state = without_frozen(model, state)
     return {k: v.detach().cpu() for k, v in state.items()} if dist.get_rank() == 0 else {}
+
+
+def without_frozen(model: nn.Module, state: dict) -> dict:
+    """ignore_frozen_params drops a frozen parameter under one name only: a tied output embedding would
+    still be saved under the other (torch 2.13)."""
+    frozen = {clean_name(n) for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in state.items() if k not in frozen}
 
 
 def publish(tmp: Path, final: Path) -> None:
@@ -113,6 +126,7 @@ class TrainState:
     global_batch: int = 0
     world_size: int = 0
     data: dict = field(default_factory=dict)  # the data position (llmtrain.data make_steps)
+    base: dict = field(default_factory=dict)  # LoRA: the frozen base's path and fingerprint (llmtrain.lora)
 
 
 def _rng_state() -> dict:
@@ -305,8 +319,9 @@ class CheckpointManager:
 
     # -- what to save -------------------------------------------------------------------------------
     def _tensors(self) -> dict:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
+        # Frozen parameters (a LoRA base) are not saved: a resume reads them from model.path again.
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=SAVED)
+        return {"model": without_frozen(self.model, model_sd), "optim": optim_sd}
 
     def due(self, step: int, timer_fired: bool) -> bool:
         every = self.section.every_steps
@@ -400,7 +415,8 @@ class CheckpointManager:
             raise ConfigError(f"checkpoint {path} cannot be loaded ({first}): move it away, or set "
                               "checkpoint.resume to another checkpoint") from None
         set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"],
-                       optim_state_dict=tensors["optim"])
+                       optim_state_dict=tensors["optim"], options=StateDictOptions(ignore_frozen_params=True,
+                                                                                    strict=False))
         state = TrainState(**json.loads((path / STATE_FILE).read_text()))
         rng = path / f"rng_rank{self.rank}.json"
         if state.world_size == dist.get_world_size() and rng.is_file():

@@ -215,6 +215,28 @@ class LogConfig:
 
 
 @dataclass
+class LoraConfig:
+    enabled: bool = False
+    """Train LoRA adapters (PEFT) on a frozen base instead of every weight; llmtrain/lora.py."""
+    r: int = 16
+    """Rank of each adapter (lora_A: r x in, lora_B: out x r)."""
+    alpha: float = 32.0
+    """Scaling numerator: an adapter adds (alpha / r) * B @ A to its layer's weight."""
+    dropout: float = 0.05
+    """Dropout on an adapter's input (seeded per rank, like all dropout)."""
+    target_modules: str | list[str] = "all-linear"
+    """all-linear (every linear layer but the output head) or a list of module names (q_proj, ... or full paths)."""
+    modules_to_save: list[str] = field(default_factory=list)
+    """Modules trained in full and saved with the adapters (e.g. [embed_tokens, lm_head] after adding tokens)."""
+    init_from: str | None = None
+    """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to continue training from."""
+    base_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Storage dtype of the frozen base weights (bf16 halves their memory; needs parallel.mixed_precision=bf16)."""
+    export: Literal["adapter", "merged", "both"] = "both"
+    """What the export writes: output_dir/adapter (PEFT format), output_dir/hf (adapters merged in), or both."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
@@ -225,6 +247,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     output_dir: str = "outputs/run"
     """Where metrics, checkpoints and the HF export go."""
 
@@ -380,6 +403,20 @@ def validate(cfg: Config) -> None:
         raise ConfigError("train.betas must have two values")
     if cfg.train.loss_chunk_tokens < 0:
         raise ConfigError("train.loss_chunk_tokens must be >= 0 (0: sized from the vocabulary)")
+    if cfg.lora.enabled:
+        if cfg.lora.r < 1:
+            raise ConfigError("lora.r must be >= 1")
+        if not 0 <= cfg.lora.dropout < 1:
+            raise ConfigError("lora.dropout must be in [0, 1)")
+        if isinstance(cfg.lora.target_modules, str) and cfg.lora.target_modules != "all-linear":
+            raise ConfigError(f"lora.target_modules: {cfg.lora.target_modules!r}: use all-linear or a list of "
+                              "module names, e.g. [q_proj, v_proj]")
+        if cfg.lora.base_dtype == "bf16" and cfg.parallel.mixed_precision != "bf16":
+            # A bf16 base layer cannot take fp32 activations; with bf16 compute both sides match.
+            raise ConfigError("lora.base_dtype=bf16 needs parallel.mixed_precision=bf16")
+        if cfg.lora.base_dtype == "bf16" and cfg.parallel.strategy == "fsdp":
+            raise ConfigError("lora.base_dtype=bf16: FSDP1 flattens each unit into one tensor of one dtype, "
+                              "and the adapters are fp32; use parallel.strategy fsdp2 or ddp")
 
 
 def to_dict(cfg: Any) -> Any:

@@ -2,12 +2,16 @@
 
     python -m llmtrain.convert output_dir/checkpoints/step_<N> OUT [--dtype bf16] [--max-shard-size 5GB]
 
+A LoRA checkpoint (adapters only) becomes OUT/adapter (PEFT) and/or OUT/hf (merged onto model.path's base),
+as its lora.export says.
+
 One process, no GPU, no process group. Each model tensor is allocated once, in the target dtype, and
 DCP reads the shards straight into it: never more than one full copy of the weights."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -21,7 +25,7 @@ from llmtrain.parallelize import DTYPES
 PREFIX = "model."
 
 
-def convert(ckpt: Path, out: Path, dtype: str, max_shard_size: str) -> None:
+def convert(ckpt: Path, out: Path, dtype: str, max_shard_size: str) -> list[Path]:
     from transformers import AutoConfig, AutoTokenizer
 
     if not is_complete(ckpt):
@@ -30,13 +34,48 @@ def convert(ckpt: Path, out: Path, dtype: str, max_shard_size: str) -> None:
         raise SystemExit(f"error: {ckpt} fails verification: {'; '.join(problems[:3])}")
     reader = dcp.FileSystemReader(str(ckpt))
     meta = reader.read_metadata().state_dict_metadata
-    state = {key: torch.empty(m.size, dtype=DTYPES[dtype]) for key, m in meta.items()
+    lora_base = json.loads((ckpt / STATE_FILE).read_text()).get("base")
+    # A LoRA checkpoint holds its adapters in fp32 (they are merged in fp32, then cast).
+    state = {key: torch.empty(m.size, dtype=torch.float32 if lora_base else DTYPES[dtype]) for key, m in meta.items()
              if key.startswith(PREFIX) and isinstance(m, TensorStorageMetadata)}
     dcp.load(state, storage_reader=reader, no_dist=True)
     config = AutoConfig.from_pretrained(ckpt / HF_CONFIG_DIR)
     tokenizer = AutoTokenizer.from_pretrained(ckpt / HF_CONFIG_DIR)
     weights = {key[len(PREFIX):]: state.pop(key) for key in list(state)}
-    write_hf(weights, out, config, tokenizer, DTYPES[dtype], max_shard_size)
+    if not lora_base:
+        write_hf(weights, out, config, tokenizer, DTYPES[dtype], max_shard_size)
+        return [out]
+    return _convert_lora(ckpt, weights, out, config, tokenizer, dtype, max_shard_size)
+
+
+def _convert_lora(ckpt: Path, trained: dict, out: Path, config, tokenizer, dtype: str, max_shard_size: str) -> list[Path]:
+    """A LoRA checkpoint has the adapters only: as lora.export says, out/adapter (PEFT) and/or out/hf, the
+    base from model.path (the fingerprint recorded at training time must match) with the adapters merged."""
+    from safetensors import safe_open
+
+    from llmtrain import lora
+    from llmtrain.config import ConfigError, load_config
+
+    cfg = load_config(ckpt / "config.yaml")
+    try:
+        lora.check_resume(ckpt, True, cfg.model.path, cfg.model.config, cfg.train.seed)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+    written = []
+    if cfg.lora.export in ("adapter", "both"):
+        lora.write_adapter(trained, out / "adapter", cfg.lora, cfg.model.path)
+        written.append(out / "adapter")
+    if cfg.lora.export in ("merged", "both"):
+        if cfg.model.path is None:
+            raise SystemExit("error: the base was a random init (model.config), not a model directory: only the "
+                             "adapter can be converted; the recipe's own export has the merged model")
+        base = {}
+        for f in sorted(Path(cfg.model.path).glob("*.safetensors")):
+            with safe_open(f, framework="pt") as handle:
+                base.update({k: handle.get_tensor(k) for k in handle.keys()})
+        write_hf(lora.merge(base, trained, cfg.lora), out / "hf", config, tokenizer, DTYPES[dtype], max_shard_size)
+        written.append(out / "hf")
+    return written
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--max-shard-size", default="5GB")
     args = p.parse_args(argv)
-    convert(args.checkpoint, args.out, args.dtype, args.max_shard_size)
-    print(f"wrote {args.out}")
+    for path in convert(args.checkpoint, args.out, args.dtype, args.max_shard_size):
+        print(f"wrote {path}")
     return 0
 
 

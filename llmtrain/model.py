@@ -4,6 +4,7 @@ uninitialised."""
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import json
 import math
@@ -25,6 +26,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from llmtrain import attention
 from llmtrain.config import ConfigError, ModelConfig
+from llmtrain.lora import base_name
 
 WEIGHTS_INDEX = "model.safetensors.index.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -175,38 +177,66 @@ def _random_init(config: PretrainedConfig, seed: int) -> dict[str, torch.Tensor]
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).state_dict()
 
 
-def _load_slices(model: nn.Module, path: Path | None, config: PretrainedConfig, seed: int) -> None:
+def _load_slices(model: nn.Module, path: Path | None, config: PretrainedConfig, seed: int,
+                 adapters: dict[str, torch.Tensor]) -> None:
     """fsdp2, ddp, none: fill the parameters (local DTensor shards or whole tensors) in place. From model.path
     every rank reads only the slices its shards cover (DCP's HuggingFaceStorageReader); a random init is
-    sent from rank 0 tensor by tensor."""
+    sent from rank 0 tensor by tensor. `adapters` (LoRA) are full tensors every rank holds alike."""
     state = get_model_state_dict(model)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # one tensor for both: loaded through the embedding
+    base, copies = {}, {}  # base: {base model name: target}; copies: LoRA modules_to_save, start as the base
+    for name, target in state.items():
+        if name in adapters:
+            continue
+        if base_name(name) in base:
+            copies[name] = target
+        else:
+            base[base_name(name)] = target
     if path is not None:
-        _check_complete(state, _weight_files(path), config)
-        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)))
+        _check_complete(base, _weight_files(path), config)
+        dcp.load(base, storage_reader=HuggingFaceStorageReader(str(path)))
     else:
         rank0 = dist.get_rank() == 0
         full = _random_init(config, seed) if rank0 else {}
-        for name, target in state.items():
+        for name, target in base.items():
             device = target.device_mesh.device_type if isinstance(target, DTensor) else target.device
-            src = full.pop(name).to(device) if rank0 else torch.empty(target.shape, dtype=target.dtype, device=device)
-            if isinstance(target, DTensor):
-                target.to_local().copy_(distribute_tensor(src, target.device_mesh, target.placements).to_local())
-            else:
-                dist.broadcast(src, src=0)
-                target.copy_(src)
+            src = full.pop(name).to(device) if rank0 else torch.empty(target.shape, device=device)
+            _fill(target, src, src_rank=0)
+    for name, target in copies.items():  # same shape and placement as the original: shard to shard
+        original = base[base_name(name)]
+        local = (lambda t: t.to_local()) if isinstance(target, DTensor) else (lambda t: t)
+        local(target).copy_(local(original))
+    for name, src in adapters.items():
+        _fill(state[name], src, src_rank=None)
     set_model_state_dict(model, state, options=StateDictOptions(strict=False))
 
 
-def _load_fsdp1_units(model: nn.Module, path: Path | None, config: PretrainedConfig, seed: int) -> None:
+def _fill(target: torch.Tensor, src: torch.Tensor, src_rank: int | None) -> None:
+    """Copy a full tensor into a parameter or its local shard; src_rank: whose `src` is the real one (the
+    others' is a buffer to receive it), None when every rank holds the same."""
+    if isinstance(target, DTensor):
+        src = src.to(target.device_mesh.device_type)
+        target.to_local().copy_(distribute_tensor(src, target.device_mesh, target.placements,
+                                                  src_data_rank=src_rank).to_local())
+    else:
+        src = src.to(target.device)
+        if src_rank is not None:
+            dist.broadcast(src, src=src_rank)
+        target.copy_(src)
+
+
+def _load_fsdp1_units(model: nn.Module, path: Path | None, config: PretrainedConfig, seed: int,
+                      adapters: dict[str, torch.Tensor]) -> None:
     """fsdp: one FSDP unit at a time is gathered (summon_full_params), filled with full tensors and written
     back to the shards. FSDP1's own sharded load_state_dict would hold a whole copy of the model per rank."""
     names = {p: clean_name(n) for n, p in model.named_parameters()}  # tied embeddings: named once
+    hf_names = {p: base_name(n) for p, n in names.items() if n not in adapters}
+    uses = collections.Counter(hf_names.values())  # LoRA modules_to_save: the original and its copy
     rank0 = dist.get_rank() == 0
     if path is not None:
         files = _weight_files(path)
-        _check_complete(names.values(), files, config)
+        _check_complete(hf_names.values(), files, config)
         handles = {file: safe_open(file, framework="pt") for file in set(files.values())}
     else:
         full = _random_init(config, seed) if rank0 else {}
@@ -216,11 +246,15 @@ def _load_fsdp1_units(model: nn.Module, path: Path | None, config: PretrainedCon
             for p in unit.parameters():
                 if p in nested:
                     continue
-                if path is not None:
-                    _copy_in_blocks(p, handles[files[names[p]]].get_slice(names[p]))
+                if p not in hf_names:
+                    p.copy_(adapters[names[p]])
+                elif path is not None:
+                    _copy_in_blocks(p, handles[files[hf_names[p]]].get_slice(hf_names[p]))
                 else:
-                    src = full.pop(names[p]).to(p.device) if rank0 else torch.empty_like(p)
-                    dist.broadcast(src, src=0)
+                    name = hf_names[p]
+                    uses[name] -= 1
+                    src = (full[name] if uses[name] else full.pop(name)) if rank0 else torch.empty(p.shape)
+                    dist.broadcast(src := src.to(p.device), src=0)
                     p.copy_(src)
         release_freed_memory()  # this unit's gathered copy
 
@@ -243,14 +277,15 @@ def _check_complete(wanted, files: dict[str, Path], config: PretrainedConfig) ->
                           f"({len(missing)} tensors); is this a {config.model_type} checkpoint?")
 
 
-def load_weights(model: nn.Module, section: ModelConfig, config: PretrainedConfig, seed: int) -> None:
+def load_weights(model: nn.Module, section: ModelConfig, config: PretrainedConfig, seed: int,
+                 adapters: dict[str, torch.Tensor] | None = None) -> None:
     """Fill the parallelized (empty) model. Host RAM per rank is its shards plus one tensor (fsdp: one
-    unit) in flight: it does not grow with the number of ranks."""
+    unit) in flight: it does not grow with the number of ranks. `adapters`: LoRA's {name: full tensor}."""
     path = Path(section.path) if section.path is not None else None
     if isinstance(model, FSDP):
-        _load_fsdp1_units(model, path, config, seed)
+        _load_fsdp1_units(model, path, config, seed, adapters or {})
     else:
-        _load_slices(model, path, config, seed)
+        _load_slices(model, path, config, seed, adapters or {})
     release_freed_memory()
 
 

@@ -68,11 +68,20 @@ def _device_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // ranks_here
 
 
-def resolve(section: ParallelConfig, n_params: int, world_size: int, device: torch.device) -> Plan:
+def trained_and_frozen(model: nn.Module) -> tuple[int, int]:
+    """(trained parameters, bytes of the frozen ones): a frozen LoRA base has no gradients or optimizer state."""
+    params = list(model.parameters())
+    return (sum(p.numel() for p in params if p.requires_grad),
+            sum(p.numel() * p.element_size() for p in params if not p.requires_grad))
+
+
+def resolve(section: ParallelConfig, n_params: int, world_size: int, device: torch.device,
+            frozen_bytes: int = 0) -> Plan:
+    """n_params: the trained parameters; frozen_bytes: the storage of frozen ones (trained_and_frozen)."""
     dtype = DTYPES[section.mixed_precision]
     if section.strategy != "auto":
         return Plan(section.strategy, "set by parallel.strategy", dtype)
-    need, have = n_params * TRAIN_BYTES_PER_PARAM, _device_memory(device)
+    need, have = n_params * TRAIN_BYTES_PER_PARAM + frozen_bytes, _device_memory(device)
     fits = need <= AUTO_DDP_FRACTION * have and section.replicate == 1 and not section.cpu_offload
     gib = f"{need / 2**30:.2f} GiB of training state vs {have / 2**30:.1f} GiB on {device.type}"
     if fits:

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 from llmtrain import checkpoint, data, distributed, model as model_lib, optim, parallelize  # noqa: E402
 from llmtrain.config import Config, ConfigError, describe, load_config, to_yaml  # noqa: E402
-from llmtrain import attention, launch, lock, preflight  # noqa: E402
+from llmtrain import attention, launch, lock, lora, preflight  # noqa: E402
 from llmtrain import loss as loss_lib  # noqa: E402
 from llmtrain.step import train_step  # noqa: E402
 from llmtrain import metrics as metrics_lib  # noqa: E402
@@ -71,7 +71,8 @@ def setup(args: argparse.Namespace) -> Config:
     device, _ = distributed.pick_device(cfg.distributed, distributed.local_rank_from_env())
     parallelize.check(cfg.parallel, distributed.world_size_from_env(), device.type)
     checkpoint.check_writable(cfg.output_dir)
-    checkpoint.resume_path(cfg.checkpoint, cfg.output_dir)
+    resume = checkpoint.resume_path(cfg.checkpoint, cfg.output_dir)
+    lora.check(cfg.lora, resume, cfg.model.path, cfg.model.config, cfg.train.seed)
     metrics_lib.check(cfg.log)
     loss_lib.check(cfg.train.loss_impl, device.type)
     return cfg
@@ -90,14 +91,17 @@ def train(cfg: Config, env: distributed.DistEnv) -> torch.nn.Module:
     model_config = model_lib.load_model_config(cfg.model, tokenizer)
     model_lib.check_seq_len(model_config, cfg.data.seq_len)
     model = model_lib.build_meta_model(model_config, cfg.model)
-    n_params = sum(p.numel() for p in model.parameters())
+    # LoRA: on the meta model, so that every strategy wraps the adapters with their layer. adapters: their init.
+    model, adapters = lora.prepare(model, cfg.lora, cfg.train.seed)
+    n_params, params_line = sum(p.numel() for p in model.parameters()), lora.describe(model)
     no_decay = optim.no_decay_names(model)
-    plan = parallelize.resolve(cfg.parallel, n_params, env.world_size, env.device)
+    n_trained, frozen_bytes = parallelize.trained_and_frozen(model)
+    plan = parallelize.resolve(cfg.parallel, n_trained, env.world_size, env.device, frozen_bytes)
     mesh = distributed.build_mesh(env, cfg.parallel.replicate)
     model = parallelize.parallelize(model, cfg.parallel, plan, mesh, env.device)
     start = checkpoint.choose_resume(cfg.checkpoint, cfg.output_dir)  # verified; corrupt ones are skipped
-    if start is None:  # else the checkpoint holds every weight
-        model_lib.load_weights(model, cfg.model, model_config, cfg.train.seed)
+    if start is None or cfg.lora.enabled:  # else the checkpoint holds every weight (LoRA's: the adapters only)
+        model_lib.load_weights(model, cfg.model, model_config, cfg.train.seed, adapters)
     model.train()
     distributed.seed_everything(cfg.train.seed + env.rank)  # per-rank dropout; the init above is shared
 
@@ -107,7 +111,9 @@ def train(cfg: Config, env: distributed.DistEnv) -> torch.nn.Module:
     global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * env.world_size
     ckpt = checkpoint.CheckpointManager(cfg.checkpoint, cfg.output_dir, model, opt, env.rank, to_yaml(cfg),
                                         model_config, tokenizer)
-    state = ckpt.resume(start) or checkpoint.TrainState(global_batch=global_batch, world_size=env.world_size)
+    state = ckpt.resume(start) or checkpoint.TrainState(global_batch=global_batch, world_size=env.world_size,
+                                                        base=lora.fingerprint(cfg.model.path, cfg.model.config,
+                                                                              cfg.train.seed) if cfg.lora.enabled else {})
     model_lib.check_initialized(model)  # every parameter loaded (from model.path or the checkpoint)
     metrics = MetricsLogger(cfg.output_dir, env.is_main, cfg.train.max_steps, state.step, cfg.log.progress,
                             append=state.step > 0, section=cfg.log, run_config=cfg)
@@ -115,6 +121,8 @@ def train(cfg: Config, env: distributed.DistEnv) -> torch.nn.Module:
                  f"({env.backend}) | strategy {plan.strategy} ({plan.reason}) | {cfg.parallel.mixed_precision}")
     _, attn_why = attention.choose(cfg.model.attn_implementation, model_config)
     metrics.info(f"{parallelize.describe(model, plan)} | attention {attn_why}")
+    if cfg.lora.enabled:
+        metrics.info(f"lora: {params_line} | r={cfg.lora.r} alpha={cfg.lora.alpha:g} | base {cfg.lora.base_dtype}")
     token_loss = loss_lib.TokenLoss(cfg.train.loss_impl, model, env.device, cfg.train.loss_chunk_tokens)  # collective
     metrics.info(token_loss.describe())
     if state.step > 0:
@@ -163,7 +171,7 @@ def train(cfg: Config, env: distributed.DistEnv) -> torch.nn.Module:
         if ckpt.due(state.step, timer) or preempted or (last and cfg.checkpoint.every_steps > 0):
             ckpt.save(state)
         if cfg.checkpoint.export_every_steps and state.step % cfg.checkpoint.export_every_steps == 0:
-            export(model, plan, env, cfg, model_config, tokenizer, Path(cfg.output_dir) / "hf" / f"step_{state.step}")
+            export(model, plan, env, cfg, model_config, tokenizer, f"step_{state.step}")
         if preempted:
             ckpt.wait()
             metrics.info(f"preempted: checkpoint step_{state.step} saved; exiting with code "
@@ -172,9 +180,8 @@ def train(cfg: Config, env: distributed.DistEnv) -> torch.nn.Module:
             raise Preempted()
 
     ckpt.wait()
-    out = Path(cfg.output_dir) / "hf"
-    export(model, plan, env, cfg, model_config, tokenizer, out)
-    metrics.info(f"exported Hugging Face model to {out}")
+    out = export(model, plan, env, cfg, model_config, tokenizer, "")
+    metrics.info(f"exported {' and '.join(map(str, out))}")
     metrics.close()
     return model
 
@@ -187,9 +194,16 @@ def evaluate(model, plan, val, cfg: Config, env: distributed.DistEnv, step: int,
     metrics.log({"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))})
 
 
-def export(model, plan, env, cfg: Config, model_config, tokenizer, out: Path) -> None:
-    checkpoint.export_hf(model, plan.strategy, env.device, out, model_config, tokenizer,
-                         parallelize.DTYPES[cfg.checkpoint.export_dtype], cfg.checkpoint.max_shard_size)
+def export(model, plan, env, cfg: Config, model_config, tokenizer, step_dir: str) -> list[Path]:
+    """output_dir/hf[/step_dir]; with LoRA, as lora.export says, also output_dir/adapter[/step_dir]."""
+    dtype = parallelize.DTYPES[cfg.checkpoint.export_dtype]
+    if cfg.lora.enabled:
+        return lora.export(model, plan.strategy, env.device, Path(cfg.output_dir), step_dir, cfg.lora, cfg.model.path,
+                           model_config, tokenizer, dtype, cfg.checkpoint.max_shard_size)
+    out = Path(cfg.output_dir) / "hf" / step_dir
+    checkpoint.export_hf(model, plan.strategy, env.device, out, model_config, tokenizer, dtype,
+                         cfg.checkpoint.max_shard_size)
+    return [out]
 
 
 class Preempted(Exception):

@@ -24,5 +24,15 @@ with torch.no_grad():
     logits = model(input_ids=probe.to(env.device)).logits.float().cpu()
 if env.is_main:
     save_file({"input_ids": probe, "logits": logits.contiguous()}, str(Path(cfg.output_dir) / "probe.safetensors"))
+if cfg.lora.enabled:  # the frozen base after training, by its model.path names, to compare bit for bit
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from llmtrain.checkpoint import full_state_dict
+    from llmtrain.lora import base_name, is_adapter
+
+    state = full_state_dict(model, "fsdp" if isinstance(model, FullyShardedDataParallel) else "", env.device)
+    if env.is_main:
+        save_file({base_name(k): v.clone() for k, v in state.items() if not is_adapter(k) and ".modules_to_save." not in k},
+                  str(Path(cfg.output_dir) / "frozen.safetensors"))
 distributed.shutdown()
 distributed.hard_exit(0)

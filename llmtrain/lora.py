@@ -1,0 +1,282 @@
+"""LoRA with PEFT: adapters injected into the meta model before parallelizing (so every strategy wraps
+them like any other parameter), their seeded init, the base fingerprint that checkpoints record, and the
+exports: output_dir/adapter in PEFT's format and output_dir/hf with the adapters merged in.
+
+Parameter names inside the training model are PEFT's in-place ones (`inject_adapter_in_model` keeps the
+transformers model class): `X.base_layer.weight`, `X.lora_A.default.weight`, and for modules_to_save
+`X.original_module.weight` + `X.modules_to_save.default.weight`. PEFT's files name the same tensors
+`base_model.model.X.lora_A.weight` and `base_model.model.X.weight` (peft_key).
+
+QLoRA (a 4-bit base through bitsandbytes/torchao) would go in `apply`: quantize the frozen base_layer
+weights after injection. It needs a GPU to test and is not done."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import zlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from llmtrain.config import ConfigError, LoraConfig
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+ADAPTER = "default"
+SMALL_FILE = 64 << 20  # fingerprint: safetensors files hashed whole up to this size  # PEFT's adapter name; its files leave it out
+_OURS = re.compile(rf"\.(lora_[AB])\.{ADAPTER}\.|\.modules_to_save\.{ADAPTER}\.")
+
+
+def peft_key(name: str) -> str:
+    """Our parameter name -> the key in PEFT's adapter_model.safetensors."""
+    return PEFT_PREFIX + _OURS.sub(lambda m: f".{m.group(1)}." if m.group(1) else ".", name)
+
+
+def _peft_config(section: LoraConfig):
+    import peft
+
+    return peft.LoraConfig(r=section.r, lora_alpha=section.alpha, lora_dropout=section.dropout,
+                           target_modules=section.target_modules, modules_to_save=section.modules_to_save or None)
+
+
+def _matches(name: str, key: str) -> bool:
+    return name == key or name.endswith("." + key)
+
+
+def apply(model: nn.Module, section: LoraConfig) -> nn.Module:
+    """Inject the adapters into the meta model (in place; the class stays the transformers one) and freeze
+    the base. Names that match nothing are a ConfigError listing what exists."""
+    import peft
+
+    names = [n for n, _ in model.named_modules()]
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+    if isinstance(section.target_modules, list):
+        lost = [k for k in section.target_modules if not any(_matches(n, k) for n, m in model.named_modules()
+                                                               if isinstance(m, nn.Linear))]
+        if lost:
+            raise ConfigError(f"lora.target_modules: {lost} match no linear layer of the model; "
+                              f"its linear layers are {linear} (or all-linear)")
+    lost = [k for k in section.modules_to_save if not any(_matches(n, k) for n in names)]
+    if lost:
+        raise ConfigError(f"lora.modules_to_save: {lost} match no module of the model "
+                          f"(e.g. {[n for n in names if n.count('.') < 2 and n][:8]})")
+    model = peft.inject_adapter_in_model(_peft_config(section), model, adapter_name=ADAPTER)
+    if section.base_dtype == "bf16":
+        cast = {}  # by parameter: tied embeddings stay one tensor
+        for module in model.modules():  # frozen tensors only: adapters and their optimizer state stay fp32
+            for name, p in module.named_parameters(recurse=False):
+                if not p.requires_grad:
+                    new = cast.setdefault(p, nn.Parameter(p.to(torch.bfloat16), requires_grad=False))
+                    setattr(module, name, new)
+    return model
+
+
+def prepare(model: nn.Module, section: LoraConfig, seed: int) -> tuple[nn.Module, dict[str, torch.Tensor] | None]:
+    """The meta model with adapters injected and their initial values ({name: full tensor}), or the model
+    unchanged and None when lora.enabled is off."""
+    if not section.enabled:
+        return model, None
+    model = apply(model, section)
+    return model, initial_adapters(model, section, seed)
+
+
+def check(section: LoraConfig, resume: Path | None, model_path: str | None, model_config: dict | None,
+          seed: int) -> None:
+    """Set-up checks: lora.init_from is a fitting PEFT adapter; a checkpoint to resume matches the base."""
+    if section.enabled:
+        check_init_from(section)
+    if resume is not None:
+        check_resume(resume, section.enabled, model_path, model_config, seed)
+
+
+def describe(model: nn.Module) -> str:
+    """`trainable 6.8M of 1.24B (0.55%)`, counted on the meta model (tied weights once)."""
+    params = {id(p): p for p in model.parameters()}.values()
+    total = sum(p.numel() for p in params)
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    return f"trainable {_human(trainable)} of {_human(total)} ({100 * trainable / total:.2f}%)"
+
+
+def _human(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.{2 if unit == 'B' else 1}f}{unit}"
+    return str(n)
+
+
+def base_name(name: str) -> str:
+    """The base model's tensor name for one of our parameters (modules_to_save copies included)."""
+    return re.sub(rf"\.(base_layer|original_module|modules_to_save\.{ADAPTER})(?=\.)", "", name)
+
+
+def is_adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def initial_adapters(model: nn.Module, section: LoraConfig, seed: int) -> dict[str, torch.Tensor]:
+    """{parameter name: full CPU tensor} for the adapters (and, from init_from, modules_to_save copies),
+    computed alike on every rank: the same init for any world size and strategy. PEFT's default init:
+    lora_A kaiming-uniform (each from its own generator seeded by seed and name), lora_B zero, so the model
+    starts as the base. Fresh modules_to_save copies start as the base (the loader copies them)."""
+    from llmtrain.model import clean_name
+
+    wanted = {clean_name(n): p for n, p in model.named_parameters() if p.requires_grad}
+    if section.init_from is not None:
+        return _read_adapter(Path(section.init_from), wanted, section)
+    out = {}
+    for name, p in wanted.items():
+        if not is_adapter(name):
+            continue
+        t = torch.zeros(p.shape, dtype=torch.float32)
+        if ".lora_A." in name:
+            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            nn.init.kaiming_uniform_(t, a=math.sqrt(5), generator=g)
+        out[name] = t
+    return out
+
+
+def check_init_from(section: LoraConfig) -> None:
+    """Before any process group: the directory holds a PEFT LoRA adapter with this rank and alpha."""
+    if section.init_from is None:
+        return
+    path = Path(section.init_from)
+    if not (path / ADAPTER_CONFIG).is_file() or not (path / ADAPTER_WEIGHTS).is_file():
+        raise ConfigError(f"lora.init_from: {path} is not a PEFT adapter directory "
+                          f"(needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})")
+    saved = json.loads((path / ADAPTER_CONFIG).read_text())
+    for key, ours in (("r", section.r), ("lora_alpha", section.alpha)):
+        if saved.get(key) != ours:
+            raise ConfigError(f"lora.init_from: {path} has {key}={saved.get(key)} but lora."
+                              f"{'r' if key == 'r' else 'alpha'}={ours}; set it to match the adapter")
+
+
+def _read_adapter(path: Path, wanted: dict[str, nn.Parameter], section: LoraConfig) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    saved = load_file(path / ADAPTER_WEIGHTS)
+    by_key = {peft_key(n): n for n in wanted}
+    missing = sorted(set(by_key) - set(saved))
+    unexpected = sorted(set(saved) - set(by_key))
+    if missing or unexpected:
+        raise ConfigError(f"lora.init_from: {path} does not fit lora.target_modules/modules_to_save: "
+                          f"missing {missing[:4]} ({len(missing)}), unexpected {unexpected[:4]} ({len(unexpected)})")
+    out = {}
+    for key, name in by_key.items():
+        if saved[key].shape != wanted[name].shape:
+            raise ConfigError(f"lora.init_from: {key} has shape {tuple(saved[key].shape)}, the model needs "
+                              f"{tuple(wanted[name].shape)} (lora.r={section.r})")
+        out[name] = saved[key].float()
+    return out
+
+
+def fingerprint(model_path: str | None, model_config: dict | None, seed: int, samples: int = 16) -> dict:
+    """What a LoRA checkpoint's base was: model.path and a hash of its safetensors headers, sizes and weights
+    (of a file above 64 MiB, 16 1-MiB blocks spread over it: two fine-tunes of one architecture share the
+    headers but not the bytes), or of the inline config and seed that made a random base."""
+    h = hashlib.sha256()
+    if model_path is not None:
+        for f in sorted(Path(model_path).glob("*.safetensors")):
+            size = f.stat().st_size
+            with f.open("rb") as fh:
+                header = 8 + int.from_bytes(fh.read(8), "little")
+                fh.seek(0)
+                h.update(f.name.encode() + size.to_bytes(8, "little") + fh.read(header))
+                if size - header <= SMALL_FILE:
+                    h.update(fh.read())
+                    continue
+                for i in range(samples):
+                    fh.seek(header + (size - header) * i // samples)
+                    h.update(fh.read(1 << 20))
+    else:
+        h.update(json.dumps(model_config, sort_keys=True).encode() + str(seed).encode())
+    return {"path": model_path, "fingerprint": h.hexdigest()[:16]}
+
+
+def check_resume(checkpoint: Path, enabled: bool, model_path: str | None, model_config: dict | None,
+                 seed: int) -> None:
+    """A LoRA checkpoint holds no base: it resumes only with LoRA on and onto the base it was trained on."""
+    from llmtrain.checkpoint import STATE_FILE
+
+    saved = json.loads((checkpoint / STATE_FILE).read_text()).get("base") or {}
+    if bool(saved) != enabled:
+        kind = "LoRA adapters only" if saved else "a full model"
+        raise ConfigError(f"checkpoint.resume: {checkpoint} holds {kind}; set lora.enabled="
+                          f"{'true' if saved else 'false'} or checkpoint.resume=never")
+    current = fingerprint(model_path, model_config, seed) if saved else {}
+    if saved and saved["fingerprint"] != current["fingerprint"]:
+        raise ConfigError(f"checkpoint.resume: {checkpoint} was trained on the base {saved['path']} "
+                          f"(fingerprint {saved['fingerprint']}) but model.path is {current['path']} "
+                          f"(fingerprint {current['fingerprint']}); resume onto the same base or use "
+                          "checkpoint.resume=never")
+
+
+def merged_state(state: dict[str, torch.Tensor], section: LoraConfig) -> dict[str, torch.Tensor]:
+    """A full (gathered) state dict of the training model -> base names, adapters merged in."""
+    base = {base_name(k): v for k, v in state.items() if not is_adapter(k) and ".modules_to_save." not in k}
+    return merge(base, {k: v for k, v in state.items() if is_adapter(k) or ".modules_to_save." in k}, section)
+
+
+def merge(base: dict[str, torch.Tensor], trained: dict[str, torch.Tensor], section: LoraConfig) -> dict:
+    """Base weights (by their own names) + adapters (by ours) -> PEFT's merge_and_unload in fp32:
+    W + alpha/r * B @ A, and modules_to_save copies in place of the originals."""
+    out = {k: v.float() for k, v in base.items()}
+    for name, t in trained.items():
+        if f".modules_to_save.{ADAPTER}." in name:
+            out[base_name(name)] = t.float()
+        elif f".lora_A.{ADAPTER}." in name:
+            b = trained[name.replace(".lora_A.", ".lora_B.")].float()
+            target = base_name(name.replace(f".lora_A.{ADAPTER}.", ".base_layer."))
+            out[target] = out[target] + (section.alpha / section.r) * (b @ t.float())
+    return out
+
+
+def write_adapter(trained: dict[str, torch.Tensor], out: Path, section: LoraConfig, base_path: str | None) -> None:
+    """PEFT's layout (rank 0): adapter_config.json + adapter_model.safetensors, published by rename. The
+    config names the adapted modules one by one, as PEFT does after resolving all-linear."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from llmtrain.checkpoint import publish
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({peft_key(n): t.float().contiguous() for n, t in trained.items()}, tmp / ADAPTER_WEIGHTS,
+              metadata={"format": "pt"})
+    config = _peft_config(section)
+    config.target_modules = sorted({n.split(".lora_A.")[0] for n in trained if ".lora_A." in n})
+    config.base_model_name_or_path = base_path
+    config.inference_mode = True
+    config.save_pretrained(str(tmp))
+    publish(tmp, out)
+
+
+def export(model: nn.Module, strategy: str, device: torch.device, output_dir: Path, step_dir: str,
+           section: LoraConfig, base_path: str | None, model_config, tokenizer, dtype: torch.dtype,
+           max_shard_size: str) -> list[Path]:
+    """Collective. output_dir/adapter[/step_dir] (PEFT) and/or output_dir/hf[/step_dir] (merged), as
+    lora.export says; returns what was written."""
+    from llmtrain.checkpoint import full_state_dict, write_hf
+
+    written = []
+    if section.export in ("adapter", "both"):
+        adapters = full_state_dict(model, strategy, device, trainable_only=True)
+        out = output_dir / "adapter" / step_dir
+        if dist.get_rank() == 0:
+            write_adapter(adapters, out, section, base_path)
+        written.append(out)
+    if section.export in ("merged", "both"):
+        state = full_state_dict(model, strategy, device)
+        out = output_dir / "hf" / step_dir
+        if dist.get_rank() == 0:
+            write_hf(merged_state(state, section), out, model_config, tokenizer, dtype, max_shard_size)
+        written.append(out)
+    dist.barrier()
+    return written

@@ -1,0 +1,192 @@
+"""LoRA (PEFT) on a saved tiny model as model.path: the same losses on every strategy, world size and
+accumulation split (also with activation checkpointing); the frozen base unchanged bit for bit; exports
+that PEFT and transformers load with the trained logits; adapter-only checkpoints that resume exactly
+(also at another world size and strategy) and refuse another base; modules_to_save and init_from."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+
+from conftest import EXPORT_LOGITS, RECIPE, TINY, launch, losses, losses_by_step, run_recipe, run_side_by_side
+from llmtrain import lora
+from llmtrain.config import ConfigError, load_config
+from llmtrain.model import build_meta_model, load_model_config, load_tokenizer
+from test_export import assert_export_matches
+
+TOL = 2e-5
+SPLITS = {  # name: (ranks, micro, accum, overrides, script); global batch 4 rows in each
+    "none": (1, 4, 1, ("parallel.strategy=none", "checkpoint.every_steps=2"), EXPORT_LOGITS),
+    "ddp": (2, 1, 2, ("parallel.strategy=ddp",), RECIPE),
+    "fsdp": (2, 2, 1, ("parallel.strategy=fsdp",), EXPORT_LOGITS),
+    "fsdp2_ac": (2, 1, 2, ("parallel.strategy=fsdp2", "parallel.activation_checkpointing=true"), EXPORT_LOGITS),
+}
+
+
+@pytest.fixture(scope="session")
+def base(reference_run) -> Path:
+    """The reference run's export: a tiny Llama in Hugging Face format (model.safetensors, tied embeddings)."""
+    return reference_run / "hf"
+
+
+def lora_args(base: Path, *extra: str) -> list[str]:
+    return ["model.config=null", f"model.path={base}", "lora.enabled=true", "lora.r=4", "lora.alpha=8",
+            "lora.dropout=0", "train.lr=1e-2", *extra]
+
+
+MODULES_TO_SAVE = ("lora.modules_to_save=[model.norm]", "parallel.strategy=fsdp2", "train.micro_batch_size=2",
+                   "train.max_steps=2")
+
+BF16_BASE = ("lora.base_dtype=bf16", "parallel.mixed_precision=bf16", "parallel.strategy=fsdp2",
+             "train.micro_batch_size=2")
+
+
+@pytest.fixture(scope="session")
+def lora_runs(tmp_path_factory, base) -> dict[str, Path]:
+    """The SPLITS, and a run that also trains the final norm (modules_to_save), side by side."""
+    root = tmp_path_factory.mktemp("lora")
+    runs = {name: (root / name, ranks, lora_args(base, f"train.micro_batch_size={micro}",
+                                                 f"train.grad_accum_steps={accum}", *extra), script)
+            for name, (ranks, micro, accum, extra, script) in SPLITS.items()}
+    runs["modules_to_save"] = (root / "modules_to_save", 2, lora_args(base, *MODULES_TO_SAVE), EXPORT_LOGITS)
+    runs["bf16_base"] = (root / "bf16_base", 2, lora_args(base, *BF16_BASE), RECIPE)
+    results = run_side_by_side(runs, at_once=len(runs))
+    assert re.search(r"lora: trainable \S+K of \S+K \(\d+\.\d\d%\)", results["none"].stdout), results["none"].stdout
+    return {name: out for name, (out, *_) in runs.items()}
+
+
+@pytest.mark.slow
+def test_lora_losses_match_across_strategies_ranks_and_accumulation(lora_runs):
+    ref = losses(lora_runs["none"])
+    assert len(ref) == 4 and ref[-1] < ref[0], ref  # the adapters learn
+    for name in SPLITS:
+        assert losses(lora_runs[name]) == pytest.approx(ref, abs=TOL), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["none", "fsdp", "fsdp2_ac"])
+def test_lora_base_unchanged_and_exports_give_trained_logits(lora_runs, base, name):
+    """Weight decay is 1.0 (tests/tiny.yaml): a frozen weight in the optimizer would move."""
+    out = lora_runs[name]
+    trained, original = load_file(out / "frozen.safetensors"), load_file(base / "model.safetensors")
+    for key, tensor in original.items():
+        assert torch.equal(trained[key], tensor), f"frozen {key} changed"
+    adapter = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert len(adapter) == 2 * 7 * 2  # lora_A and lora_B of 7 linear layers x 2 decoder layers: complete
+    assert all(t.abs().sum() > 0 for k, t in adapter.items() if "lora_B" in k)  # started at zero, trained
+    if name != "none":  # the sharded ones: merged in output_dir/hf and base + adapter via PEFT
+        assert_export_matches(out, lora_base=base)
+
+
+@pytest.mark.slow
+def test_lora_checkpoint_holds_adapters_and_resumes_exactly_elsewhere(tmp_path, lora_runs, base):
+    """From 1 process (none) at step 2 to 2 ranks on fsdp2 and on fsdp: steps 3-4 as uninterrupted."""
+    ckpt = lora_runs["none"] / "checkpoints" / "step_2"
+    saved = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    model_keys = [k for k in saved if k.startswith("model.")]
+    assert model_keys and all(".lora_" in k for k in model_keys), model_keys  # no frozen base
+    runs = {}
+    for strategy in ("fsdp2", "fsdp"):
+        out = tmp_path / strategy
+        (out / "checkpoints").mkdir(parents=True)
+        shutil.copytree(ckpt, out / "checkpoints" / "step_2")
+        runs[strategy] = (out, 2, lora_args(base, f"parallel.strategy={strategy}", "train.micro_batch_size=2"),
+                          RECIPE)
+    results = run_side_by_side(runs, at_once=2)
+    full = losses_by_step(lora_runs["none"])
+    for strategy, (out, *_) in runs.items():
+        assert "resumed at step 2" in results[strategy].stdout
+        got = losses_by_step(out)
+        assert [got[s] for s in (3, 4)] == pytest.approx([full[3], full[4]], abs=TOL), strategy
+
+
+def test_lora_resume_refuses_another_base_or_lora_off(tmp_path, lora_runs, base):
+    ckpt = lora_runs["none"] / "checkpoints" / "step_2"
+    other = tmp_path / "other"
+    shutil.copytree(base, other)
+    weights = load_file(other / "model.safetensors")
+    weights["model.norm.weight"] += 1  # same names, shapes and sizes: only the bytes differ
+    save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+    res = run_recipe(tmp_path / "run", *lora_args(other, f"checkpoint.resume={ckpt}"), check=False, torchrun=False)
+    assert res.returncode == 2 and "was trained on the base" in res.stderr, res.stderr[-2000:]
+    with pytest.raises(ConfigError, match="holds LoRA adapters only; set lora.enabled=true"):
+        lora.check_resume(ckpt, False, str(base), None, 7)
+
+
+@pytest.mark.slow
+def test_lora_modules_to_save_and_init_from_round_trip(tmp_path, lora_runs, base):
+    """Adapters + the final norm trained on 2 ranks (fsdp2) export completely; a run continuing from that
+    adapter directory (one process, a negligible lr) gives the first one's logits."""
+    first, second = lora_runs["modules_to_save"], tmp_path / "second"
+    adapter = load_file(first / "adapter" / "adapter_model.safetensors")
+    assert not torch.equal(adapter["base_model.model.model.norm.weight"],
+                           load_file(base / "model.safetensors")["model.norm.weight"])  # trained
+    assert_export_matches(first, lora_base=base)
+    run_recipe(second, *lora_args(base, *MODULES_TO_SAVE[:1], f"lora.init_from={first / 'adapter'}",
+                                  "train.lr=1e-30", "train.max_steps=1", "lora.export=adapter"),
+               script=EXPORT_LOGITS, torchrun=False)
+    assert not (second / "hf").exists() and (second / "adapter").is_dir()
+    diff = load_file(second / "probe.safetensors")["logits"] - load_file(first / "probe.safetensors")["logits"]
+    assert diff.abs().max() < 1e-5
+
+
+def test_lora_bad_settings_name_the_key(tmp_path, base):
+    def load(*overrides):
+        return load_config(TINY, lora_args(base, *overrides))
+
+    cfg = load("lora.target_modules=[q_proj,qkv]")
+    model = build_meta_model(load_model_config(cfg.model, load_tokenizer(str(base), False)), cfg.model)
+    with pytest.raises(ConfigError, match=r"lora.target_modules: \['qkv'\] match no linear layer .*'down_proj', "
+                                          r"'gate_proj'"):
+        lora.apply(model, cfg.lora)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 8}')
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match="lora.init_from: .* has r=8 but lora.r=4"):
+        lora.check_init_from(load(f"lora.init_from={adapter}").lora)
+    with pytest.raises(ConfigError, match="lora.target_modules: 'qkv': use all-linear or a list"):
+        load("lora.target_modules=qkv")
+    with pytest.raises(ConfigError, match="lora.base_dtype=bf16 needs parallel.mixed_precision=bf16"):
+        load("lora.base_dtype=bf16")
+    with pytest.raises(ConfigError, match="lora.base_dtype=bf16: FSDP1 flattens"):
+        load(*BF16_BASE, "parallel.strategy=fsdp")
+
+
+@pytest.mark.slow
+def test_lora_bf16_base_trains_close_to_fp32(lora_runs):
+    """bf16 storage of the frozen base and bf16 compute (fsdp2): the fp32 run's losses to bf16 precision."""
+    assert losses(lora_runs["bf16_base"]) == pytest.approx(losses(lora_runs["none"]), abs=0.03)
+    assert load_file(lora_runs["bf16_base"] / "adapter" / "adapter_model.safetensors")[
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].dtype == torch.float32
+
+
+def test_lora_converter_matches_the_exports(tmp_path, lora_runs):
+    """step_4 of the 1-process run, converted offline (adapter + merged onto model.path's base), equals the
+    exports the run wrote at its end (step 4), tensor for tensor."""
+    run = lora_runs["none"]
+    res = launch(["-m", "llmtrain.convert", run / "checkpoints" / "step_4", tmp_path], torchrun=False, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for sub, name in (("adapter", "adapter_model.safetensors"), ("hf", "model.safetensors")):
+        converted, exported = load_file(tmp_path / sub / name), load_file(run / sub / name)
+        assert converted.keys() == exported.keys(), sub
+        for key, tensor in exported.items():
+            assert torch.equal(converted[key], tensor), (sub, key)
+
+
+def test_auto_strategy_counts_only_trained_state():
+    """A base whose full fine-tuning state would not fit (-> fsdp2) fits with LoRA (-> ddp): frozen weights
+    have no gradients or AdamW moments."""
+    from llmtrain.config import ParallelConfig
+    from llmtrain.parallelize import _device_memory, resolve
+
+    n = int(0.35 * _device_memory(torch.device("cpu")) / 16 * 2)  # twice what auto lets ddp hold
+    full = resolve(ParallelConfig(strategy="auto"), n, 2, torch.device("cpu"))
+    lora_ = resolve(ParallelConfig(strategy="auto"), n // 100, 2, torch.device("cpu"), frozen_bytes=4 * n)
+    assert (full.strategy, lora_.strategy) == ("fsdp2", "ddp"), (full.reason, lora_.reason)
