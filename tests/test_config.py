@@ -60,7 +60,7 @@ def test_every_key_is_described():
     (["tokenizer.path=/no/such/dir"], ["tokenizer.path", "/no/such/dir"]),
     (["parallel.strategy=none"], ["parallel.strategy=none", "2 were launched"]),
     (["parallel.strategy=fsdp2", "parallel.replicate=3"], ["parallel.replicate=3", "world size 2"]),
-    (["train.loss_impl=liger"], ["train.loss_impl=liger", "on cpu", "train.loss_impl=chunked"]),
+    (["parallel.strategy=ddp", "train.loss_impl=liger"], ["train.loss_impl=liger", "on cpu", "loss_impl=chunked"]),
 ])
 def test_cli_errors_exit_nonzero_on_every_rank(tmp_path, args, words):
     res = launch([RECIPE, "--config", TINY, f"output_dir={tmp_path}", *args], nproc=2, timeout=60)
