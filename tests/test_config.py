@@ -29,6 +29,8 @@ def test_yaml_and_overrides_are_typed():
     (["parallel.strategy=fsdp3"], ["parallel.strategy", "fsdp3", "ddp, fsdp, fsdp2, none"]),
     (["parallel.mixed_precision=fp8"], ["parallel.mixed_precision", "fp32, bf16, fp16"]),
     (["train.micro_batch_size=0"], ["train.micro_batch_size must be >= 1"]),
+    (["train.loss_impl=fused"], ["train.loss_impl", "chunked, full, liger"]),
+    (["train.loss_chunk_tokens=-1"], ["train.loss_chunk_tokens must be >= 0"]),
     (["train"], ["must look like key.sub=value"]),
     (["model.path=/x", ], ["exactly one of model.path"]),
 ])
@@ -58,6 +60,7 @@ def test_every_key_is_described():
     (["tokenizer.path=/no/such/dir"], ["tokenizer.path", "/no/such/dir"]),
     (["parallel.strategy=none"], ["parallel.strategy=none", "2 were launched"]),
     (["parallel.strategy=fsdp2", "parallel.replicate=3"], ["parallel.replicate=3", "world size 2"]),
+    (["parallel.strategy=ddp", "train.loss_impl=liger"], ["train.loss_impl=liger", "on cpu", "loss_impl=chunked"]),
 ])
 def test_cli_errors_exit_nonzero_on_every_rank(tmp_path, args, words):
     res = launch([RECIPE, "--config", TINY, f"output_dir={tmp_path}", *args], nproc=2, timeout=60)
