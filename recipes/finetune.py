@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 from llmtrain import data, distributed, parallelize, train as trainer  # noqa: E402
 from llmtrain import loss as loss_lib  # noqa: E402
-from llmtrain.config import Config  # noqa: E402
+from llmtrain.config import Config, ConfigError  # noqa: E402
 from llmtrain.step import train_step  # noqa: E402
 
 
@@ -61,8 +61,13 @@ def train(cfg: Config, env: distributed.DistEnv) -> torch.nn.Module:
     return trainer.loop(run, steps, step, evaluate)
 
 
+def check(cfg: Config) -> None:
+    if "preference" in {s.format for s in cfg.data.sources or []} | {cfg.data.format}:
+        raise ConfigError("data.format=preference: pairs train with recipes/dpo.py, not recipes/finetune.py")
+
+
 def main(argv: list[str] | None = None) -> int:
-    return trainer.main(argv, USAGE, Config, train)
+    return trainer.main(argv, USAGE, Config, train, check)
 
 
 if __name__ == "__main__":
