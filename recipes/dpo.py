@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout, installed or not
 
@@ -23,7 +21,8 @@ import torch  # noqa: E402
 
 from llmtrain import distributed, lora, model as model_lib, parallelize, train as trainer  # noqa: E402
 from llmtrain import preference_loss as pl  # noqa: E402
-from llmtrain.config import Config, ConfigError  # noqa: E402
+from llmtrain.preference_loss import DPOConfig  # noqa: E402
+from llmtrain.config import ConfigError  # noqa: E402
 from llmtrain.loss import trained_tokens  # noqa: E402
 from llmtrain.step import StepResult, update  # noqa: E402
 
@@ -41,26 +40,6 @@ model.path; with lora.enabled it is the same model with its adapters switched of
 Writes to output_dir what recipes/finetune.py writes; metrics.jsonl adds TRL's names: rewards/chosen,
 rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected.
 """
-
-
-@dataclass
-class DPOSection:
-    loss: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"
-    """sigmoid: DPO (Rafailov 2023) | ipo: IPO (Azar 2023, per-token normalised) | simpo: SimPO (Meng 2024),
-    reference-free."""
-    beta: float = 0.1
-    """Strength of the pull towards the reference (sigmoid, ipo); SimPO's reward scale."""
-    label_smoothing: float = 0.0
-    """sigmoid / simpo: assumed probability that a pair's labels are flipped (conservative DPO); in [0, 0.5)."""
-    gamma: float = 0.0
-    """simpo: target reward margin."""
-    sft_weight: float = 0.0
-    """Adds sft_weight x the chosen responses' mean token NLL to the loss (keeps their likelihood up)."""
-
-
-@dataclass
-class DPOConfig(Config):
-    dpo: DPOSection = field(default_factory=DPOSection)
 
 
 def check(cfg: DPOConfig) -> None:

@@ -19,6 +19,7 @@ from families import FAMILIES  # noqa: E402
 from llmtrain import checkpoint, distributed, model as model_lib, optim, parallelize  # noqa: E402
 from llmtrain.config import DistributedConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from llmtrain.data.formats import IGNORE  # noqa: E402
+from llmtrain.loss import TokenLoss  # noqa: E402
 from llmtrain.step import train_step  # noqa: E402
 
 STRATEGIES = ["ddp", "fsdp", "fsdp2"]
@@ -75,7 +76,8 @@ def run(family_dir: Path, strategy: str, env, mesh, out: Path) -> dict:
                                                          dist.ReduceOp.MAX).item()
 
     model.train()
-    result["losses"] = [train_step(model, plan, [local], opt, None, 1.0, env.device, env.world_size)[0]
+    token_loss = TokenLoss("full", model, env.device)
+    result["losses"] = [train_step(model, plan, [local], opt, None, 1.0, env.device, env.world_size, token_loss).loss
                         for _ in range(STEPS)]
 
     # The export reproduces the trained model's logits in transformers.
