@@ -1,19 +1,19 @@
-"""recipes/finetune.py with random token batches instead of the data pipeline, for bench/gpu.sh.
+"""recipes/finetune.py's training (llmtrain.train) with random token batches instead of the data pipeline,
+for bench/gpu.sh.
 
     torchrun --standalone --nproc_per_node=1 bench/gpu_train.py --config bench/gpu-1b.yaml [key=value ...]
     python bench/gpu_train.py --table [--warmup 10] DIR [DIR ...]   # the table of finished runs
 
-The recipe runs unchanged (its config, preflight, model build, parallelize, train_step, metrics with
-tokens/s and MFU, checkpoints if asked) with two swaps, so that it needs no `datasets` (GPU machines
-may not have it) and spends its time on training:
-  * llmtrain.data.build / make_steps -> fixed random token batches (micro_batch_size x seq_len,
-    every position trained, position_ids 0..seq_len-1 as an unpacked row)
-  * the final Hugging Face export is skipped (the recipe still prints its "exported" line)
+The recipe's library calls run unchanged (its command line and config, preflight, model build, parallelize,
+train_step, the loop with tokens/s and MFU, checkpoints if asked) with two differences, so that it needs no
+`datasets` (GPU machines may not have it) and spends its time on training:
+  * fixed random token batches instead of llmtrain.data (micro_batch_size x seq_len, every position
+    trained, position_ids 0..seq_len-1 as an unpacked row)
+  * no final Hugging Face export
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -46,27 +46,17 @@ class RandomSteps:
         return {"samples_seen": self.samples_seen}
 
 
-def patch_recipe():
-    """Load recipes/finetune.py as a module and swap its data and export for random batches / nothing."""
-    from llmtrain import data
+def train(cfg, env):
+    from llmtrain import train as trainer
+    from llmtrain.step import train_step
 
-    spec = importlib.util.spec_from_file_location("finetune", REPO / "recipes" / "finetune.py")
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
-    seq_len = {}
-
-    def build(section, tokenizer, seed, is_main=True, rank=0, world_size=1):
-        seq_len["n"], seq_len["vocab"] = section.seq_len, len(tokenizer)
-        stats = data.Stats(num_examples=0)
-        return data.Built(train=None, val=None, stats=stats)
-
-    def make_steps(built, micro, accum, world_size, rank, seed, device, position):
-        return RandomSteps(seq_len["vocab"], seq_len["n"], micro, accum, seed + rank,
-                           position.get("samples_seen", 0), micro * accum * world_size)
-
-    data.build, data.make_steps = build, make_steps
-    recipe.export = lambda *args, **kwargs: None
-    return recipe
+    run = trainer.build(cfg, env)
+    micro, accum = cfg.train.micro_batch_size, cfg.train.grad_accum_steps
+    steps = RandomSteps(len(run.tokenizer), cfg.data.seq_len, micro, accum, cfg.train.seed + env.rank,
+                        run.state.data.get("samples_seen", 0), run.global_batch)
+    return trainer.loop(run, steps, lambda batches: train_step(run.model, run.plan, batches, run.opt, run.scaler,
+                                                               cfg.train.max_grad_norm, env.device, env.world_size,
+                                                               run.token_loss), final_export=False)
 
 
 def table(dirs: list[str], warmup_steps: int = 10) -> str:
@@ -111,10 +101,11 @@ def main() -> None:
         args = p.parse_args(sys.argv[2:])
         print(table(args.dirs, args.warmup))
         return
-    recipe = patch_recipe()
+    from llmtrain import train as trainer
+    from llmtrain.config import Config
     from llmtrain.distributed import hard_exit
 
-    hard_exit(recipe.main(sys.argv[1:]))
+    hard_exit(trainer.main(sys.argv[1:], __doc__, Config, train))
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ class TokenizerConfig:
 class SourceConfig:
     path: str = ""
     """A file, glob or directory."""
-    format: Literal["text", "instruction", "chat"] = "text"
+    format: Literal["text", "instruction", "chat", "preference"] = "text"
     """How this source's records become tokens and labels."""
     weight: float = 1.0
     """Relative sampling frequency among data.sources."""
@@ -53,8 +53,9 @@ class SourceConfig:
 class DataConfig:
     path: str = ""
     """Training data: a file, a glob or a directory (jsonl/json/parquet/csv/txt); or use data.sources."""
-    format: Literal["text", "instruction", "chat"] = "text"
-    """text: raw documents; instruction: Alpaca-style records; chat: messages (OpenAI or ShareGPT style)."""
+    format: Literal["text", "instruction", "chat", "preference"] = "text"
+    """text: raw documents; instruction: Alpaca-style records; chat: messages (OpenAI or ShareGPT style);
+    preference: {prompt, chosen, rejected} pairs, text or messages (recipes/dpo.py)."""
     sources: list[SourceConfig] | None = None
     """Several sources mixed by weight: [{path, format, weight}, ...] (instead of data.path/format)."""
     seq_len: int = 256
@@ -355,8 +356,8 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
     return pairs
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
-    """Read YAML (optional), apply `key.sub=value` overrides, validate into a Config."""
+def load_config(path: str | Path | None, overrides: list[str] = (), cls: type[Config] = Config) -> Config:
+    """Read YAML (optional), apply `key.sub=value` overrides, validate into a Config (or a recipe's subclass)."""
     raw: dict = {}
     if path is not None:
         path = Path(path)
@@ -370,7 +371,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
     for key, value in parse_overrides(list(overrides)):
         _set_dotted(raw, key, value)
-    cfg = _build(Config, raw, "")
+    cfg = _build(cls, raw, "")
     validate(cfg)
     return cfg
 
@@ -431,7 +432,7 @@ def to_yaml(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
-def describe() -> list[tuple[str, str, str, str]]:
+def describe(cls: type[Config] = Config) -> list[tuple[str, str, str, str]]:
     """(key, type, default, description) for every key, from the dataclasses and their docstrings."""
     import ast
     import inspect
@@ -448,7 +449,9 @@ def describe() -> list[tuple[str, str, str, str]]:
         return out
 
     def walk(cls: type, prefix: str) -> None:
-        hints, text = typing.get_type_hints(cls), docs(cls)
+        hints, text = typing.get_type_hints(cls), {}
+        for base in reversed([c for c in cls.__mro__ if dataclasses.is_dataclass(c)]):  # a recipe's Config subclass
+            text.update(docs(base))
         for f in dataclasses.fields(cls):
             tp = hints[f.name]
             if dataclasses.is_dataclass(tp):
@@ -458,5 +461,5 @@ def describe() -> list[tuple[str, str, str, str]]:
             tname = str(tp).replace("typing.", "") if typing.get_origin(tp) else tp.__name__
             rows.append((prefix + _key(f.name), tname, repr(default), text.get(f.name, "")))
 
-    walk(Config, "")
+    walk(cls, "")
     return rows

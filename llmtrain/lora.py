@@ -12,6 +12,7 @@ weights after injection. It needs a GPU to test and is not done."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -280,3 +281,21 @@ def export(model: nn.Module, strategy: str, device: torch.device, output_dir: Pa
         written.append(out)
     dist.barrier()
     return written
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    """The base model, for a forward inside the block: every adapter (and modules_to_save copy) switched off,
+    as PEFT's PeftModel.disable_adapter does. The flag itself, not enable_adapters(): that also flips
+    requires_grad, which FSDP forbids on wrapped parameters and which a no-grad reference forward needs not."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    layers = [m for m in model.modules() if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))]
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer._disable_adapters = False

@@ -325,9 +325,3 @@ def check_initialized(model: nn.Module) -> None:
     if named:
         raise FloatingPointError(f"NaN in {', '.join(named)} after loading: never initialised, or NaN in "
                                  "model.path / the checkpoint; refusing to train")
-
-
-def num_params(config: PretrainedConfig) -> int:
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters())

@@ -198,12 +198,6 @@ def describe(model: nn.Module, plan: Plan) -> str:
     return f"{plan.strategy}: whole model ({blocks})"
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The transformers model inside a DDP/FSDP1 wrapper (FSDP2 wraps in place)."""
-    inner = getattr(model, "module", model)
-    return getattr(inner, "_fsdp_wrapped_module", inner)
-
-
 def grad_sync(model: nn.Module, plan: Plan, enabled: bool):
     """Skip the gradient all-reduce/reduce-scatter on non-final micro-batches."""
     if enabled:

@@ -18,18 +18,41 @@ rewards/margins, logps/chosen, logps/rejected, each a mean over pairs.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from llmtrain.config import ConfigError
+from llmtrain.config import Config, ConfigError
 from llmtrain.data.formats import IGNORE
+from llmtrain.loss import next_token_targets
 
 LOSSES = ("sigmoid", "ipo", "simpo")
 REFERENCE_FREE = {"simpo"}
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
+
+
+@dataclass
+class DPOSection:
+    loss: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"
+    """sigmoid: DPO (Rafailov 2023) | ipo: IPO (Azar 2023, per-token normalised) | simpo: SimPO (Meng 2024),
+    reference-free."""
+    beta: float = 0.1
+    """Strength of the pull towards the reference (sigmoid, ipo); SimPO's reward scale."""
+    label_smoothing: float = 0.0
+    """sigmoid / simpo: assumed probability that a pair's labels are flipped (conservative DPO); in [0, 0.5)."""
+    gamma: float = 0.0
+    """simpo: target reward margin."""
+    sft_weight: float = 0.0
+    """Adds sft_weight x the chosen responses' mean token NLL to the loss (keeps their likelihood up)."""
+
+
+@dataclass
+class DPOConfig(Config):
+    """recipes/dpo.py's Config: the shared sections plus dpo:."""
+    dpo: DPOSection = field(default_factory=DPOSection)
 
 
 def check(loss: str, beta: float, label_smoothing: float, gamma: float, sft_weight: float) -> None:
@@ -48,15 +71,10 @@ def check(loss: str, beta: float, label_smoothing: float, gamma: float, sft_weig
         raise ConfigError("dpo.sft_weight must be >= 0")
 
 
-def _targets(labels: torch.Tensor) -> torch.Tensor:
-    """Label i+1 is what position i predicts; the last position predicts nothing."""
-    return F.pad(labels[:, 1:], (0, 1), value=IGNORE)
-
-
 def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Log-probabilities (fp32) of the trained tokens, flat in row-major order: what a chunked loss over
     the trained positions yields too (as minus its per-token cross-entropies)."""
-    targets = _targets(labels)
+    targets = next_token_targets(labels)
     keep = targets != IGNORE
     return -F.cross_entropy(logits[keep].float(), targets[keep], reduction="none")
 
@@ -64,13 +82,13 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def sequence_logps(flat_logps: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat per-token log-probs (token_logps' order) -> (summed log-prob, trained-token count) per row.
     masked_scatter then a row sum, not index_add: same order of additions on every device."""
-    keep = _targets(labels) != IGNORE
+    keep = next_token_targets(labels) != IGNORE
     return flat_logps.new_zeros(keep.shape).masked_scatter(keep, flat_logps).sum(1), keep.sum(1)
 
 
 def pair_counts(labels: torch.Tensor) -> torch.Tensor:
     """[pairs, chosen response tokens] of one micro-batch: the denominators, to all-reduce over the step."""
-    keep = _targets(labels) != IGNORE
+    keep = next_token_targets(labels) != IGNORE
     return torch.stack([torch.tensor(labels.shape[0] // 2, device=labels.device), keep[:labels.shape[0] // 2].sum()])
 
 

@@ -4,6 +4,7 @@ gradient sync only on the last one, clipping, and the update (skipped when non-f
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -13,11 +14,20 @@ from llmtrain.loss import TokenLoss, trained_tokens
 from llmtrain.parallelize import Plan, autocast, clip_grad_norm, grad_sync
 
 
+class StepResult(NamedTuple):
+    """What a recipe's step returns to the loop (llmtrain.train.loop): global loss, grad norm, trained tokens,
+    whether the update was applied, and the recipe's own metrics for the logged record (equal on every rank)."""
+    loss: float
+    grad_norm: float
+    n_tokens: int
+    ok: bool
+    extra: dict = {}
+
+
 def train_step(model: nn.Module, plan: Plan, batches: list[dict], opt: torch.optim.Optimizer, scaler,
                max_grad_norm: float, device: torch.device, world_size: int,
-               token_loss: TokenLoss) -> tuple[float, float, int, bool]:
-    """One optimizer step over grad_accum_steps micro-batches.
-    Returns (global loss, grad norm, trained tokens, whether the update was applied)."""
+               token_loss: TokenLoss) -> StepResult:
+    """One optimizer step over grad_accum_steps micro-batches of the token-weighted cross-entropy."""
     local = torch.stack([trained_tokens(b["labels"]) for b in batches]).sum()
     n_tokens = int(all_reduce(local.to(device)).item())
     # Data-parallel wrappers average gradients over ranks; scaling by world/n makes the result the
@@ -33,6 +43,13 @@ def train_step(model: nn.Module, plan: Plan, batches: list[dict], opt: torch.opt
             (scaler.scale(scaled) if scaler else scaled).backward()
         loss_sum += loss.detach()
     loss = all_reduce(loss_sum).item() / max(n_tokens, 1)
+    grad_norm, ok = update(model, plan, opt, scaler, max_grad_norm, loss)
+    return StepResult(loss, grad_norm, n_tokens, ok)
+
+
+def update(model: nn.Module, plan: Plan, opt: torch.optim.Optimizer, scaler, max_grad_norm: float,
+           loss: float) -> tuple[float, bool]:
+    """After the backward passes: clip, then step unless non-finite -> (grad norm, whether applied)."""
     if scaler:
         scaler.unscale_(opt)
     grad_norm = float(clip_grad_norm(model, plan, max_grad_norm))
@@ -45,4 +62,4 @@ def train_step(model: nn.Module, plan: Plan, batches: list[dict], opt: torch.opt
         else:
             opt.step()
     opt.zero_grad(set_to_none=True)
-    return loss, grad_norm, n_tokens, ok
+    return grad_norm, ok

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -116,6 +117,12 @@ def run_side_by_side(runs: dict, at_once: int) -> dict[object, subprocess.Comple
     for key, proc in running:
         results[key] = finish_recipe(proc)
     return results
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def read_metrics(output_dir: Path) -> list[dict]:

@@ -5,14 +5,13 @@ launch` (the shipped single- and multi-node configs; its FSDP settings checked a
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import uuid
 from pathlib import Path
 
 import pytest
 
-from conftest import BIN, RECIPE, REPO, TINY, TWO_RANKS, finish, losses, start
+from conftest import BIN, RECIPE, REPO, TINY, TWO_RANKS, finish, free_port, losses, start
 from llmtrain.config import ConfigError, ParallelConfig
 from llmtrain.launch import check_accelerate
 
@@ -20,12 +19,6 @@ TOL = 2e-5
 ACCELERATE = BIN / "accelerate"
 SINGLE_NODE = REPO / "configs" / "accelerate" / "single_node.yaml"
 MULTI_NODE = REPO / "configs" / "accelerate" / "multi_node.yaml"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def recipe_args(out: Path, *overrides: str) -> list:

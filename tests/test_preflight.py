@@ -7,24 +7,17 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
-from conftest import REPO, RECIPE, TINY, finish, start
+from conftest import REPO, RECIPE, TINY, finish, free_port, start
 from llmtrain.distributed import compact_ranks
 from llmtrain.preflight import find_problems
 
 MISSING_TIMEOUT = 10  # seconds a lonely rank waits before it gives up
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_env(rank: int, world: int, port: int, **extra: str) -> dict:

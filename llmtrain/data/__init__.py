@@ -7,6 +7,7 @@ split_dataset_by_node, tokenized and packed on the fly; ranks agree when to wrap
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from llmtrain.config import ConfigError, DataConfig, SourceConfig
 from llmtrain.data import sources as sources_lib
 from llmtrain.data.formats import ENCODERS, IGNORE, BadRecord, prepare_tokenizer
 from llmtrain.data.packing import RowBuilder, to_rows
+from llmtrain.data.preference import Pair, collate_pairs, encode_preference
 from llmtrain.data.sampling import GlobalOrderSampler, step_batches
 from llmtrain.data.sources import resolve_files
 
@@ -41,6 +43,10 @@ def check(section: DataConfig) -> None:
             raise ConfigError(f"data.sources[{i}].weight must be > 0")
     if section.val_path:
         sources_lib.check(section.val_path, "data.val_path")
+    formats = {s.format for s in sources(section)}
+    if "preference" in formats and (len(formats) > 1 or section.streaming):
+        raise ConfigError("data.format=preference (pairs) cannot be mixed with other formats in data.sources "
+                          "nor used with data.streaming")
 
 
 @dataclass
@@ -65,6 +71,8 @@ class Stats:
 
 
 def _encode_batch(batch: dict, section: DataConfig, fmt: str, tokenizer) -> dict:
+    if fmt == "preference":
+        return _encode_pairs(batch, section, tokenizer)
     encode = ENCODERS[fmt]
     out = {"input_ids": [], "labels": [], "split": [], "error": [], "where": []}
     for row in (dict(zip(batch, values)) for values in zip(*batch.values())):
@@ -78,6 +86,24 @@ def _encode_batch(batch: dict, section: DataConfig, fmt: str, tokenizer) -> dict
         out["input_ids"].append(ids)
         out["labels"].append(labels)
         out["split"].append(fmt == "text")
+        out["error"].append(error)
+        out["where"].append(where if error else "")
+    return out
+
+
+def _encode_pairs(batch: dict, section: DataConfig, tokenizer) -> dict:
+    """format=preference: a pair's prompt, chosen and rejected ids (not packed: collate_pairs makes the rows)."""
+    out = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "truncated": [], "error": [], "where": []}
+    for row in (dict(zip(batch, values)) for values in zip(*batch.values())):
+        record, where, error = sources_lib.record_of(row)
+        pair = Pair([], [], [], False)
+        if not error:
+            try:
+                pair = encode_preference(record, section, tokenizer)
+            except BadRecord as e:
+                error = str(e)
+        for key, value in zip(("prompt_ids", "chosen_ids", "rejected_ids", "truncated"), pair):
+            out[key].append(value)
         out["error"].append(error)
         out["where"].append(where if error else "")
     return out
@@ -130,6 +156,9 @@ def _pack_batch(batch: dict, seq_len: int, pad_id: int, packing: bool) -> dict:
 
 def _rows(examples, section: DataConfig, tokenizer, stats: Stats):
     stats.num_examples += len(examples)
+    if "chosen_ids" in examples.column_names:  # pairs: collate_pairs pads each micro-batch
+        stats.truncated += sum(examples["truncated"])
+        return examples.remove_columns("truncated")
     stats.truncated += sum(1 for ids, split in zip(examples["input_ids"], examples["split"])
                            if len(ids) > section.seq_len and not (split and section.packing))
     return examples.map(_pack_batch, batched=True, batch_size=PACK_BATCH, remove_columns=examples.column_names,
@@ -143,6 +172,7 @@ class Built:
     train: object  # datasets.Dataset of rows, or a StreamingRows
     val: object | None
     stats: Stats
+    pad_id: int | None = None  # format=preference: the rows are pairs, collated (collate_pairs) with this pad id
 
 
 def build(section: DataConfig, tokenizer, seed: int, is_main: bool = True, rank: int = 0,
@@ -189,7 +219,9 @@ def _build(section: DataConfig, tokenizer, seed: int, rank: int, world_size: int
         val_examples = _examples(section.val_path, sources(section)[0].format, "data.val_path", section, tokenizer,
                                  Stats())
         val = _rows(val_examples, section, tokenizer, Stats())
-    return Built(train, val.with_format("torch") if val is not None else None, stats)
+    pairs = {s.format for s in sources(section)} == {"preference"}
+    return Built(train, val.with_format("torch") if val is not None else None, stats,
+                 tokenizer.pad_token_id if pairs else None)
 
 
 class StreamingRows:
@@ -249,17 +281,24 @@ def _collate(rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
     return {k: torch.tensor([r[k] for r in rows]) for k in rows[0]}
 
 
+def _collate_pairs(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    return collate_pairs([Pair(r["prompt_ids"].tolist(), r["chosen_ids"].tolist(), r["rejected_ids"].tolist(), False)
+                          for r in rows], pad_id)
+
+
 class MapSteps:
     """Steps over map-style rows; the position is the global sample count."""
 
-    def __init__(self, rows, micro: int, accum: int, world_size: int, rank: int, seed: int, samples_seen: int):
+    def __init__(self, rows, micro: int, accum: int, world_size: int, rank: int, seed: int, samples_seen: int,
+                 pad_id: int | None = None):
         self.global_batch = micro * accum * world_size
         if self.global_batch > len(rows):  # the sampler would put the same rows into one batch many times
             raise ConfigError(f"the training data gives {len(rows)} rows of data.seq_len tokens, fewer than one "
                               f"step's global batch of {self.global_batch} (train.micro_batch_size {micro} x "
                               f"train.grad_accum_steps {accum} x {world_size} ranks); lower those or add data")
         self.samples_seen = samples_seen
-        self.it = step_batches(rows, micro, accum, world_size, rank, seed, samples_seen)
+        collate = None if pad_id is None else functools.partial(_collate_pairs, pad_id=pad_id)
+        self.it = step_batches(rows, micro, accum, world_size, rank, seed, samples_seen, collate)
 
     def __next__(self) -> list[dict[str, torch.Tensor]]:
         self.samples_seen += self.global_batch
@@ -314,7 +353,7 @@ def make_steps(built: Built, micro: int, accum: int, world_size: int, rank: int,
                device: torch.device, position: dict):
     if isinstance(built.train, StreamingRows):
         return StreamSteps(built.train, micro, accum, device, position, world_size)
-    return MapSteps(built.train, micro, accum, world_size, rank, seed, position.get("samples_seen", 0))
+    return MapSteps(built.train, micro, accum, world_size, rank, seed, position.get("samples_seen", 0), built.pad_id)
 
 
 def eval_batches(val, micro: int, world_size: int, rank: int, max_batches: int) -> Iterator[dict[str, torch.Tensor]]:

@@ -39,9 +39,9 @@ class GlobalOrderSampler(DistributedSampler):
 
 
 def step_batches(dataset, micro_batch_size: int, grad_accum_steps: int, world_size: int, rank: int,
-                 seed: int, samples_seen: int = 0) -> Iterator[list[dict[str, torch.Tensor]]]:
+                 seed: int, samples_seen: int = 0, collate_fn=None) -> Iterator[list[dict[str, torch.Tensor]]]:
     """Endless iterator of steps, each a list of grad_accum_steps micro-batches for this rank."""
     sampler = GlobalOrderSampler(dataset, world_size, rank, seed, start=samples_seen)
-    loader = iter(DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler))
+    loader = iter(DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate_fn))
     while True:
         yield [next(loader) for _ in range(grad_accum_steps)]

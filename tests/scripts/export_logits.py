@@ -1,23 +1,27 @@
-"""Run the recipe's train(), then save the trained (still wrapped) model's logits on a probe batch,
-so a test can compare them with what transformers computes from the exported directory.
+"""Train as recipes/finetune.py does (the library's build, data steps and loop with the SFT step), then
+save the trained (still wrapped) model's logits on a probe batch, so a test can compare them with what
+transformers computes from the exported directory.
 Usage: torchrun ... tests/scripts/export_logits.py --config X [overrides]"""
 
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO), str(REPO / "recipes")]
+sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-import finetune  # noqa: E402
-from llmtrain import distributed  # noqa: E402
+from llmtrain import distributed, train as trainer  # noqa: E402
+from llmtrain.step import train_step  # noqa: E402
 
-args = finetune.parse_args(sys.argv[1:])
-cfg = finetune.setup(args)
+cfg = trainer.setup(trainer.parse_args(sys.argv[1:], __doc__))
 env = distributed.init(cfg.distributed)
-model = finetune.train(cfg, env)
+run = trainer.build(cfg, env)
+_, steps = trainer.data_steps(run)
+model = trainer.loop(run, steps, lambda batches: train_step(run.model, run.plan, batches, run.opt, run.scaler,
+                                                            cfg.train.max_grad_norm, env.device, env.world_size,
+                                                            run.token_loss))
 probe = (torch.arange(2 * 24).reshape(2, 24) * 7919) % 500 + 6  # ordinary (non-special) token ids
 model.eval()
 with torch.no_grad():

@@ -77,7 +77,7 @@ def run(family_dir: Path, strategy: str, env, mesh, out: Path) -> dict:
 
     model.train()
     token_loss = TokenLoss("chunked", model, env.device)  # the default train.loss_impl, for every family
-    result["losses"] = [train_step(model, plan, [local], opt, None, 1.0, env.device, env.world_size, token_loss)[0]
+    result["losses"] = [train_step(model, plan, [local], opt, None, 1.0, env.device, env.world_size, token_loss).loss
                         for _ in range(STEPS)]
 
     # The export reproduces the trained model's logits in transformers.

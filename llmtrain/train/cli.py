@@ -1,0 +1,96 @@
+"""The command line every recipe shares: arguments, set-up checks, process group, the error -> exit code
+mapping (bad input 2, failure 1, preempted 42), lock release and shutdown. A recipe's main is one call:
+
+    distributed.hard_exit(cli.main(argv, USAGE, MyConfig, train, check=my_checks))
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from typing import Callable
+
+from llmtrain import checkpoint, data, distributed, launch, lock, lora, parallelize
+from llmtrain import loss as loss_lib
+from llmtrain import metrics as metrics_lib
+from llmtrain import model as model_lib
+from llmtrain.config import Config, ConfigError, describe, load_config, to_yaml
+
+
+class Preempted(Exception):
+    """Saved after SIGTERM/SIGUSR1; exit with the requeue code."""
+
+
+def parse_args(argv: list[str] | None, usage: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=usage, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Overrides: dotted keys, e.g. train.lr=1e-4 parallel.strategy=fsdp2 "
+                                       "(see --help-config).")
+    p.add_argument("--config", help="YAML config file (configs/*.yaml)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--help-config", action="store_true", help="list every config key and exit")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value")
+    return p.parse_args(argv)
+
+
+def setup(args: argparse.Namespace, config_cls: type[Config] = Config,
+          check: Callable[[Config], None] | None = None) -> Config:
+    """Everything that can be checked without a process group or a model: bad input fails here. The
+    recipe's own `check` goes first: it can explain what the recipe expects (e.g. where its model comes from)."""
+    cfg = load_config(args.config, args.overrides, config_cls)
+    if check:
+        check(cfg)
+    # Under `accelerate launch`: every setting it asks for must be what parallel.* gives (parallel.* governs).
+    for line in launch.check_accelerate(cfg.parallel, os.environ):
+        if os.environ.get("RANK", "0") == "0" and not args.print_config:
+            print(line, flush=True)
+    model_lib.check_paths(cfg.model, cfg.tokenizer.path)
+    data.check(cfg.data)
+    device, _ = distributed.pick_device(cfg.distributed, distributed.local_rank_from_env())
+    parallelize.check(cfg.parallel, distributed.world_size_from_env(), device.type)
+    checkpoint.check_writable(cfg.output_dir)
+    resume = checkpoint.resume_path(cfg.checkpoint, cfg.output_dir)
+    lora.check(cfg.lora, resume, cfg.model.path, cfg.model.config, cfg.train.seed)
+    metrics_lib.check(cfg.log)
+    loss_lib.check(cfg.train.loss_impl, device.type)
+    return cfg
+
+
+def main(argv: list[str] | None, usage: str, config_cls: type[Config],
+         train: Callable[[Config, distributed.DistEnv], object],
+         check: Callable[[Config], None] | None = None) -> int:
+    """Parse, check (the recipe's own `check`, then the shared ones), init, train; returns the exit code."""
+    args = parse_args(argv, usage)
+    if args.help_config:
+        for key, tp, default, doc in describe(config_cls):
+            print(f"{key:36} {tp:48} {default:14} {doc}")
+        return 0
+    try:
+        cfg = setup(args, config_cls, check)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(to_yaml(cfg), end="")
+        return 0
+    try:
+        env = distributed.init(cfg.distributed)
+    except distributed.PreflightError as e:  # a rank missing or unreachable, named, within the preflight timeout
+        print(f"error: preflight failed: {e}", file=sys.stderr)
+        return 1
+    try:
+        train(cfg, env)
+        return 0
+    except Preempted:
+        return distributed.PREEMPTED_EXIT_CODE
+    except (ConfigError, FloatingPointError, checkpoint.SaveError, distributed.PreflightError) as e:
+        print(f"error (rank {env.rank}): {e}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 1
+    except Exception:
+        traceback.print_exc()
+        print(f"error (rank {env.rank}): training failed; see the traceback above", file=sys.stderr)
+        return 1
+    finally:
+        lock.release()
+        distributed.shutdown()

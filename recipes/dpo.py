@@ -1,0 +1,120 @@
+#!/usr/bin/env python
+"""Preference tuning (DPO, IPO, SimPO) of a causal LM with DDP, FSDP or FSDP2, on GPUs (NCCL) or CPU (gloo).
+
+    torchrun --nproc_per_node=N recipes/dpo.py --config configs/demo-dpo.yaml [key.sub=value ...]
+    python recipes/dpo.py --help-config                        # every key (finetune's plus dpo.*)
+
+The shared body (command line, model, optimizer, checkpoints, resume, preemption, loop, export) is
+llmtrain.train, as for recipes/finetune.py; what is this recipe's own: the dpo: section, the reference
+model, and the step (one forward over a micro-batch's chosen and rejected rows, llmtrain.preference_loss).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout, installed or not
+
+import torch  # noqa: E402
+
+from llmtrain import distributed, lora, model as model_lib, parallelize, train as trainer  # noqa: E402
+from llmtrain import preference_loss as pl  # noqa: E402
+from llmtrain.preference_loss import DPOConfig  # noqa: E402
+from llmtrain.config import ConfigError  # noqa: E402
+from llmtrain.loss import trained_tokens  # noqa: E402
+from llmtrain.step import StepResult, update  # noqa: E402
+
+
+USAGE = """\
+Preference tuning (DPO / IPO / SimPO) with DDP, FSDP or FSDP2 on GPUs (NCCL) or CPUs (gloo).
+
+  torchrun --nproc_per_node=N recipes/dpo.py --config configs/demo-dpo.yaml [key.sub=value ...]
+
+The data are pairs (data.format: preference): {"prompt", "chosen", "rejected"} as text, or as lists of
+messages. model.path is the model to tune, usually a supervised fine-tune (configs/demo-dpo.yaml starts
+from the SFT demo's export, outputs/demo/hf). With full fine-tuning the reference is a frozen copy of
+model.path; with lora.enabled it is the same model with its adapters switched off; dpo.loss=simpo needs none.
+
+Writes to output_dir what recipes/finetune.py writes; metrics.jsonl adds TRL's names: rewards/chosen,
+rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected.
+"""
+
+
+def check(cfg: DPOConfig) -> None:
+    """This recipe's set-up checks; the shared ones follow (llmtrain.train.setup)."""
+    try:
+        model_lib.check_paths(cfg.model, cfg.tokenizer.path)
+    except ConfigError as e:
+        raise ConfigError(f"{e} (recipes/dpo.py tunes an existing model; configs/demo-dpo.yaml starts from the SFT "
+                          "demo's export: run torchrun --standalone --nproc_per_node=2 recipes/finetune.py "
+                          "--config configs/demo.yaml first)") from None
+    d = cfg.dpo
+    pl.check(d.loss, d.beta, d.label_smoothing, d.gamma, d.sft_weight)
+    formats = {s.format for s in cfg.data.sources} if cfg.data.sources else {cfg.data.format}
+    if formats != {"preference"}:
+        raise ConfigError(f"data.format: recipes/dpo.py trains on pairs: set data.format=preference (got "
+                          f"{', '.join(sorted(formats))})")
+    if cfg.train.loss_impl != "full":
+        raise ConfigError("train.loss_impl: recipes/dpo.py computes log-probs from full logits; set "
+                          "train.loss_impl=full")
+    if cfg.eval.every_steps:
+        raise ConfigError("eval.every_steps: recipes/dpo.py has no evaluation yet; set eval.every_steps=0")
+
+
+def pair_logps(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward over chosen and rejected rows -> (summed log-prob, trained tokens) per row, in fp32."""
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    return pl.sequence_logps(pl.token_logps(logits, batch["labels"]), batch["labels"])
+
+
+def train(cfg: DPOConfig, env: distributed.DistEnv) -> torch.nn.Module:
+    run = trainer.build(cfg, env)
+    model, plan, d = run.model, run.plan, cfg.dpo
+    reference = None  # full fine-tuning: a frozen copy; LoRA: the policy with its adapters off
+    if d.loss not in pl.REFERENCE_FREE:
+        reference = model if cfg.lora.enabled else trainer.build_frozen(cfg, env, run.model_config, plan)
+    run.metrics.info(f"dpo: loss {d.loss}, beta {d.beta:g}, reference "
+                     + ("none" if reference is None else "adapters off" if cfg.lora.enabled else "frozen copy"))
+    _, steps = trainer.data_steps(run, pairs=True)
+
+    def reference_logps(batch: dict) -> torch.Tensor | None:
+        if reference is None:
+            return None
+        off = lora.adapters_disabled(model) if cfg.lora.enabled else contextlib.nullcontext()
+        with torch.no_grad(), off, parallelize.autocast(plan, env.device):
+            return pair_logps(reference, batch)[0]
+
+    def step(batches: list[dict]) -> StepResult:
+        batches = [{k: v.to(env.device, non_blocking=True) for k, v in b.items()} for b in batches]
+        # The step's denominators (pairs, chosen tokens) over every micro-batch and rank, before any forward.
+        totals = distributed.all_reduce(torch.stack([pl.pair_counts(b["labels"]) for b in batches]).sum(0))
+        n_tokens = int(distributed.all_reduce(sum(trained_tokens(b["labels"]) for b in batches)).item())
+        loss_sum = torch.zeros((), device=env.device)
+        summed = torch.zeros(len(pl.METRICS), device=env.device)
+        for i, batch in enumerate(batches):
+            ref = reference_logps(batch)
+            with parallelize.grad_sync(model, plan, enabled=i == len(batches) - 1):
+                with parallelize.autocast(plan, env.device):
+                    logps, lengths = pair_logps(model, batch)
+                sums = pl.preference_sums(logps, lengths, ref, d.loss, d.beta, d.label_smoothing, d.gamma)
+                part = pl.objective(sums, totals, d.sft_weight)
+                # Data-parallel wrappers average gradients over ranks: x world size makes them the global mean's.
+                (run.scaler.scale(part * env.world_size) if run.scaler else part * env.world_size).backward()
+            loss_sum += part.detach()
+            summed += sums.metrics
+        loss = distributed.all_reduce(loss_sum).item()
+        extra = pl.metrics(distributed.all_reduce(summed), int(totals[0]))
+        grad_norm, ok = update(model, plan, run.opt, run.scaler, cfg.train.max_grad_norm, loss)
+        return StepResult(loss, grad_norm, n_tokens, ok, extra)
+
+    return trainer.loop(run, steps, step)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return trainer.main(argv, USAGE, DPOConfig, train, check)
+
+
+if __name__ == "__main__":
+    distributed.hard_exit(main())

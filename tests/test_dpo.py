@@ -1,0 +1,168 @@
+"""recipes/dpo.py on the saved tiny model (the reference run's export) and data/demo/preference.jsonl:
+the logged loss and TRL-named metrics at step 1 equal the formulas below computed in transformers on the
+same weights and batch (DPO with label smoothing and an SFT term; IPO with a LoRA policy whose reference
+is the base with its adapters off; SimPO without a reference); the same losses for ddp / fsdp / fsdp2 on
+2 ranks, micro-batches or accumulation; exact resume on another strategy; an export transformers loads."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import REPO, TINY, losses_by_step, read_metrics, run_recipe, run_side_by_side
+from llmtrain import data
+from llmtrain.config import DataConfig
+from llmtrain.model import load_tokenizer
+from test_lora import base  # noqa: F401  (the session fixture: the reference run's export)
+
+DPO = REPO / "recipes" / "dpo.py"
+PAIRS = REPO / "data" / "demo" / "preference.jsonl"
+TOL = 2e-5
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+SIGMOID = ("dpo.loss=sigmoid", "dpo.beta=0.5", "dpo.label_smoothing=0.1", "dpo.sft_weight=0.5")
+SIMPO = ("dpo.loss=simpo", "dpo.beta=2.0", "dpo.gamma=0.5", "dpo.label_smoothing=0.1", "train.max_steps=1")
+LORA_IPO = ("dpo.loss=ipo", "dpo.beta=0.5", "lora.enabled=true", "lora.r=4", "lora.alpha=8", "lora.dropout=0",
+            "train.max_steps=1")
+
+
+def dpo_args(base: Path, *extra: str) -> list[str]:
+    return ["model.config=null", f"model.path={base}", f"data.path={PAIRS}", "data.format=preference",
+            "train.loss_impl=full", "train.max_steps=3", *extra]
+
+
+@pytest.fixture(scope="session")
+def lora_init(tmp_path_factory, base) -> Path:  # noqa: F811
+    """A PEFT adapter with random (non-zero) A and B, so that the policy differs from the reference at step 1."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                           LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear",
+                                      init_lora_weights=False))
+    out = tmp_path_factory.mktemp("lora_init")
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def dpo_runs(tmp_path_factory, base, lora_init) -> dict[str, Path]:  # noqa: F811
+    root = tmp_path_factory.mktemp("dpo")
+    runs = {  # name: (ranks, overrides); global batch 4 pairs in each
+        "none": (1, ("parallel.strategy=none", "checkpoint.every_steps=2", *SIGMOID)),
+        "ddp": (2, ("parallel.strategy=ddp", "train.micro_batch_size=1", "train.grad_accum_steps=2", *SIGMOID)),
+        "fsdp": (2, ("parallel.strategy=fsdp", "train.micro_batch_size=2", *SIGMOID)),
+        "fsdp2": (2, ("parallel.strategy=fsdp2", "train.micro_batch_size=1", "train.grad_accum_steps=2", *SIGMOID)),
+        "simpo": (1, ("parallel.strategy=none", *SIMPO)),
+        "lora_ipo": (1, ("parallel.strategy=none", f"lora.init_from={lora_init}", *LORA_IPO)),
+    }
+    run_side_by_side({name: (root / name, ranks, dpo_args(base, *extra), DPO)
+                      for name, (ranks, extra) in runs.items()}, at_once=3)
+    return {name: root / name for name in runs}
+
+
+def first_batch() -> dict[str, torch.Tensor]:
+    """Step 1's 4 pairs as the recipe collates them (one process, micro-batch 4, tiny.yaml's seed 7)."""
+    tokenizer = load_tokenizer(str(REPO / "assets" / "tokenizer"), False)
+    built = data.build(DataConfig(path=str(PAIRS), format="preference", seq_len=64), tokenizer, seed=7)
+    (batch,) = next(data.make_steps(built, 4, 1, 1, 0, 7, torch.device("cpu"), {}))
+    return batch
+
+
+def sequence_logps(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed log-prob of each row's response tokens, and their count."""
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits.float()
+    targets = batch["labels"][:, 1:]
+    mask = targets != -100
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    return (logp * mask).sum(1), mask.sum(1)
+
+
+def expected(loss: str, policy, reference, batch, beta: float, smoothing: float = 0.0, gamma: float = 0.0,
+             sft_weight: float = 0.0) -> dict[str, float]:
+    """The papers' formulas (module docstring of llmtrain/preference_loss.py), with TRL's metric names."""
+    (pc, pr), (nc, nr) = (t.chunk(2) for t in sequence_logps(policy, batch))
+    if loss == "simpo":
+        ac, ar = pc / nc, pr / nr
+        z = beta * (ac - ar) - gamma
+        losses = -(1 - smoothing) * F.logsigmoid(z) - smoothing * F.logsigmoid(-z)
+        rc, rr, lc, lr = beta * ac, beta * ar, ac, ar
+    else:
+        qc, qr = sequence_logps(reference, batch)[0].chunk(2)
+        rc, rr, lc, lr = beta * (pc - qc), beta * (pr - qr), pc, pr
+        if loss == "sigmoid":
+            z = rc - rr
+            losses = -(1 - smoothing) * F.logsigmoid(z) - smoothing * F.logsigmoid(-z)
+        else:
+            losses = ((pc - qc) / nc - (pr - qr) / nr - 1 / (2 * beta)) ** 2
+    total = losses.mean() + sft_weight * (-pc.sum() / nc.sum())
+    values = (rc.mean(), rr.mean(), (rc > rr).float().mean(), (rc - rr).mean(), lc.mean(), lr.mean())
+    return {"loss": total.item(), **{k: v.item() for k, v in zip(METRICS, values)}}
+
+
+@pytest.mark.slow
+def test_dpo_step_one_equals_the_formulas(dpo_runs, base, lora_init):  # noqa: F811
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    def load():
+        return AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+
+    batch, reference = first_batch(), load()
+    cases = {"none": expected("sigmoid", load(), reference, batch, 0.5, 0.1, sft_weight=0.5),
+             "simpo": expected("simpo", load(), None, batch, 2.0, 0.1, gamma=0.5),
+             "lora_ipo": expected("ipo", PeftModel.from_pretrained(load(), lora_init).eval(), reference, batch, 0.5)}
+    assert cases["lora_ipo"]["rewards/margins"] != 0  # the policy is not the reference at step 1
+    for name, want in cases.items():
+        got = read_metrics(dpo_runs[name])[0]
+        assert got["step"] == 1
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, abs=1e-5), (name, key)
+
+
+@pytest.mark.slow
+def test_dpo_losses_match_across_strategies_ranks_and_accumulation(dpo_runs):
+    want = losses_by_step(dpo_runs["none"])
+    assert len(want) == 3
+    for name in ("ddp", "fsdp", "fsdp2"):
+        got = losses_by_step(dpo_runs[name])
+        assert got == pytest.approx(want, abs=TOL), name
+        metrics = read_metrics(dpo_runs[name])[-1]
+        assert metrics["rewards/margins"] == pytest.approx(read_metrics(dpo_runs["none"])[-1]["rewards/margins"],
+                                                           abs=TOL), name
+
+
+@pytest.mark.slow
+def test_dpo_resumes_exactly_elsewhere_and_exports(tmp_path, dpo_runs, base):  # noqa: F811
+    """From one process at step 2 to fsdp2 on 2 ranks: step 3 as uninterrupted (the reference rebuilt from
+    model.path, the policy from the checkpoint); the export loads in transformers as the trained model."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "resumed"
+    (out / "checkpoints").mkdir(parents=True)
+    shutil.copytree(dpo_runs["none"] / "checkpoints" / "step_2", out / "checkpoints" / "step_2")
+    res = run_recipe(out, *dpo_args(base, "parallel.strategy=fsdp2", "train.micro_batch_size=2", *SIGMOID),
+                     nproc=2, script=DPO)
+    assert "resumed at step 2" in res.stdout
+    assert losses_by_step(out)[3] == pytest.approx(losses_by_step(dpo_runs["none"])[3], abs=TOL)
+    exported = AutoModelForCausalLM.from_pretrained(dpo_runs["none"] / "hf", dtype=torch.float32)
+    original = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    assert not torch.equal(exported.model.norm.weight, original.model.norm.weight)  # trained, not the base
+
+
+def test_dpo_bad_settings_name_the_key(tmp_path, base):  # noqa: F811
+    cases = {("data.format=text",): "data.format=preference", ("train.loss_impl=chunked",): "train.loss_impl",
+             ("model.path=outputs/nowhere/hf",): "recipes/finetune.py --config configs/demo.yaml"}
+    for overrides, words in cases.items():
+        args = [a for a in dpo_args(base) if not a.startswith(tuple(o.split("=")[0] + "=" for o in overrides))]
+        res = run_recipe(tmp_path / "bad", *args, *overrides, check=False, torchrun=False, config=TINY, script=DPO)
+        assert res.returncode == 2 and words in res.stderr, (overrides, res.stderr[-2000:])
+        assert "Traceback" not in res.stderr
+    res = run_recipe(tmp_path / "sft", *dpo_args(base), check=False, torchrun=False)  # pairs are not SFT data
+    assert res.returncode == 2 and "recipes/dpo.py" in res.stderr, res.stderr[-2000:]
