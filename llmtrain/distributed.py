@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from llmtrain import hostmem
 from llmtrain.config import ConfigError, DistributedConfig
 
 
@@ -148,8 +147,6 @@ def init(section: DistributedConfig) -> DistEnv:
     device, backend = pick_device(section, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:  # the tensors live in host memory: keep freed ones from piling up in glibc's heap
-        hostmem.fix_mmap_threshold()
     timeout = timedelta(seconds=section.timeout_s)
     if "MASTER_ADDR" in os.environ and "RANK" in os.environ:
         join_timeout = timedelta(seconds=section.preflight_timeout_s) if section.preflight else timeout
