@@ -29,8 +29,8 @@ from llmtrain.config import ConfigError, LoraConfig
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
-ADAPTER = "default"
-SMALL_FILE = 64 << 20  # fingerprint: safetensors files hashed whole up to this size  # PEFT's adapter name; its files leave it out
+ADAPTER = "default"  # PEFT's adapter name; its files leave it out
+SMALL_FILE = 64 << 20  # fingerprint: safetensors files hashed whole up to this size
 _OURS = re.compile(rf"\.(lora_[AB])\.{ADAPTER}\.|\.modules_to_save\.{ADAPTER}\.")
 
 
