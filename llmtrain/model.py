@@ -54,13 +54,13 @@ def check_paths(section: ModelConfig, tokenizer_path: str | None) -> None:
 def check_causal_lm(path: str) -> None:
     """Only decoder-only causal LMs train here: an encoder (BERT), an encoder-decoder (T5), a base model
     without its LM head (LlamaModel) or a classifier is refused from config.json, before any process group."""
-    config = json.loads((Path(path) / "config.json").read_text())
-    archs = config.get("architectures") or []
-    model_type = config.get("model_type")
-    if config.get("is_encoder_decoder") or (archs and not all(CAUSAL_LM_CLASS.search(a) for a in archs)):
+    hf = json.loads((Path(path) / "config.json").read_text())
+    archs = hf.get("architectures") or []
+    model_type = hf.get("model_type")
+    if hf.get("is_encoder_decoder") or (archs and not all(CAUSAL_LM_CLASS.search(a) for a in archs)):
         raise ConfigError(f"model.path: {path} is a {', '.join(archs) or model_type} (config.json), not a "
                           "decoder-only causal LM (a ...ForCausalLM); llmtrain fine-tunes causal LMs only")
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and "AutoModelForCausalLM" not in config.get("auto_map", {}):
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and "AutoModelForCausalLM" not in hf.get("auto_map", {}):
         raise ConfigError(f"model.path: {path} has model_type {model_type!r}, which transformers has no causal "
                           "LM class for")
 
