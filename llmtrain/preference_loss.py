@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from llmtrain.config import Config, ConfigError
 from llmtrain.data.formats import IGNORE
-from llmtrain.loss import next_token_targets
+from llmtrain.loss import next_token_targets, token_logps  # noqa: F401  (token_logps: from full logits, here too)
 
 LOSSES = ("sigmoid", "ipo", "simpo")
 REFERENCE_FREE = {"simpo"}
@@ -69,14 +69,6 @@ def check(loss: str, beta: float, label_smoothing: float, gamma: float, sft_weig
         raise ConfigError("dpo.gamma (the target reward margin) applies to dpo.loss=simpo only")
     if sft_weight < 0:
         raise ConfigError("dpo.sft_weight must be >= 0")
-
-
-def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Log-probabilities (fp32) of the trained tokens, flat in row-major order: what a chunked loss over
-    the trained positions yields too (as minus its per-token cross-entropies)."""
-    targets = next_token_targets(labels)
-    keep = targets != IGNORE
-    return -F.cross_entropy(logits[keep].float(), targets[keep], reduction="none")
 
 
 def sequence_logps(flat_logps: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
