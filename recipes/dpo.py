@@ -6,7 +6,7 @@
 
 The shared body (command line, model, optimizer, checkpoints, resume, preemption, loop, export) is
 llmtrain.train, as for recipes/finetune.py; what is this recipe's own: the dpo: section, the reference
-model, and the step (one forward over a micro-batch's chosen and rejected rows, llmtrain.preference_loss).
+model, the step (one forward over a micro-batch's chosen and rejected rows, llmtrain.preference_loss) and eval.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from the SFT demo's export, outputs/demo/hf). With full fine-tuning the referenc
 model.path; with lora.enabled it is the same model with its adapters switched off; dpo.loss=simpo needs none.
 
 Writes to output_dir what recipes/finetune.py writes; metrics.jsonl adds TRL's names: rewards/chosen,
-rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected.
+rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected; with eval.every_steps,
+val_loss and val_rewards/..., val_logps/... over the held-out pairs (data.val_path or data.val_fraction).
 """
 
 
