@@ -277,7 +277,9 @@ class _ChunkedHeadLogps(torch.autograd.Function):
     @staticmethod
     def forward(ctx, loss: TokenLoss, hidden: torch.Tensor, targets: torch.Tensor, *leaves: torch.Tensor):
         device = hidden.device.type
-        ctx.loss, ctx.leaves = loss, leaves  # leaves as they are: a saved copy's version check trips over FSDP's
+        # The leaves as references, not saved tensors: FSDP may refill an unsharded parameter in place
+        # between forward and backward, which a saved tensor's version check would refuse.
+        ctx.loss, ctx.leaves = loss, leaves
         ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
         ctx.save_for_backward(hidden, targets)
         return loss._no_grad_logps(hidden, targets)
