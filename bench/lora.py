@@ -100,13 +100,13 @@ def main() -> int:
     print(f"\n{WORLD} ranks, fsdp2, vocab {COMMON_SHAPE['vocab_size']} (tied), micro-batch 2 x 128 tokens, "
           f"{args.steps} steps, step time = median after {args.warmup}; load average (1/5/15 min, the higher of "
           "start and end) " + "/".join(f"{x:.1f}" for x in load) + f" on {os.cpu_count()} cores\n")
-    print("| size (hidden x layers) | run | trained params | training state / rank | vs full | peak host memory "
+    print("| base (hidden x layers) | run | trained params | training state / rank | vs full | peak host memory "
           "/ rank | vs full | step time | vs full |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for size, rows in tables.items():
         full, shape = rows[0], SIZES[size]
         for name, trained, total, state, mem, step in rows:
-            print(f"| {total / 1e6:.0f}M ({shape['hidden_size']} x {shape['num_hidden_layers']}) | {name} | "
+            print(f"| {full[2] / 1e6:.0f}M ({shape['hidden_size']} x {shape['num_hidden_layers']}) | {name} | "
                   f"{trained / 1e6:.2f}M ({100 * trained / total:.2f}%) | {fmt_bytes(state)} | {state / full[3]:.1%} | "
                   f"{mem:.2f} GiB | {mem / full[4]:.2f}x | {step:.2f} s | {step / full[5]:.2f}x |")
     return 0
