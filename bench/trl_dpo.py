@@ -2,7 +2,7 @@
 model directory (model.path), tokenizer, micro-batch (pairs per rank), max length and ranks as recipes/dpo.py:
 sigmoid loss, the config's dpo.beta, a live frozen reference (TRL loads a second copy of model.path), full
 fine-tuning, fp32. TRL defaults otherwise, except two defaults TRL changes from TrainingArguments that would
-make the comparison unequal: gradient_checkpointing (TRL: on; the recipe here: off) and bf16 (TRL: on; here
+make the comparison unequal: activation (gradient) checkpointing (TRL: on; the recipe here: off) and bf16 (TRL: on; here
 fp32 on both). precompute_ref_log_probs stays off (TRL's default) and padding_free stays off (TRL's default,
 and TRL 1.16 ignores it for DPO): each micro-batch is padded to its longest row, as the recipe's collate does.
 Runs in TRL's own virtual environment (bench/run.py's trl_python).
@@ -41,14 +41,14 @@ def main() -> None:
     dpo = cfg["dpo"]
     tok = load_tokenizer(cfg)
     config = DPOConfig(**training_kwargs(cfg, args), max_length=cfg["data"]["seq_len"], loss_type=[dpo["loss"]],
-                       beta=dpo["beta"], gradient_checkpointing=False, bf16=False, precompute_ref_log_probs=False,
+                       beta=dpo["beta"], activation_checkpointing=False, bf16=False, precompute_ref_log_probs=False,
                        model_init_kwargs={"dtype": "float32"})
     ds = load_dataset("json", data_files=args.data, split="train")
     trainer = CountingDPOTrainer(model=cfg["model"]["path"], args=config, train_dataset=ds, processing_class=tok)
     train_and_report(trainer, args, {
         "trl": trl.__version__, "loss_type": config.loss_type, "beta": config.beta, "max_length": config.max_length,
         "truncation_mode": config.truncation_mode, "padding_free": trainer.padding_free,
-        "gradient_checkpointing": config.gradient_checkpointing, "bf16": config.bf16,
+        "activation_checkpointing": trainer.model.is_activation_checkpointing, "bf16": config.bf16,
         "precompute_ref_log_probs": config.precompute_ref_log_probs, "optim": str(config.optim),
         "reference": type(trainer.ref_model).__name__, "pairs": len(trainer.train_dataset),
         "attn_implementation": trainer.model.config._attn_implementation})
