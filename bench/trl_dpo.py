@@ -1,10 +1,10 @@
 """The comparison point of bench/run.py's "dpo" benchmark: TRL's DPOTrainer on the same preference pairs,
 model directory (model.path), tokenizer, micro-batch (pairs per rank), max length and ranks as recipes/dpo.py:
 sigmoid loss, the config's dpo.beta, a live frozen reference (TRL loads a second copy of model.path), full
-fine-tuning, fp32. TRL defaults otherwise, except two defaults TRL changes from TrainingArguments that would
-make the comparison unequal: activation (gradient) checkpointing (TRL: on; the recipe here: off) and bf16 (TRL: on; here
-fp32 on both). precompute_ref_log_probs stays off (TRL's default) and padding_free stays off (TRL's default,
-and TRL 1.16 ignores it for DPO): each micro-batch is padded to its longest row, as the recipe's collate does.
+fine-tuning, fp32. TRL defaults otherwise, except two that TRL changes from TrainingArguments and that would
+make the comparison unequal: activation (gradient) checkpointing and bf16, both on in TRL, off here as in the
+recipe. precompute_ref_log_probs stays off (TRL's default) and padding_free stays off (TRL's default, and
+TRL 1.16 ignores it for DPO): each micro-batch is padded to its longest row, as the recipe's collate does.
 Runs in TRL's own virtual environment (bench/run.py's trl_python).
 
     torchrun --standalone --nproc_per_node=2 bench/trl_dpo.py --config DPO.yaml \
