@@ -36,12 +36,18 @@ class Counting:
         super().__init__(*args, **kwargs)
         self.step_trained, self.step_tokens, self.step_real = 0, 0, 0
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
+    def count(self, inputs: dict) -> tuple[int, int, int]:
+        """(trained, pushed-through, real) tokens of one micro-batch."""
         labels = inputs["labels"]
-        self.step_trained += int((labels[:, 1:] != IGNORE).sum())  # what the shifted loss is taken over
-        self.step_tokens += labels.numel()
         # Padded batches have an attention mask; packed (padding-free) ones have none: every position is real.
-        self.step_real += int(inputs["attention_mask"].sum()) if "attention_mask" in inputs else labels.numel()
+        real = int(inputs["attention_mask"].sum()) if "attention_mask" in inputs else labels.numel()
+        return int((labels[:, 1:] != IGNORE).sum()), labels.numel(), real  # trained: what the shifted loss covers
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        trained, tokens, real = self.count(inputs)
+        self.step_trained += trained
+        self.step_tokens += tokens
+        self.step_real += real
         return super().training_step(model, inputs, num_items_in_batch)
 
 

@@ -24,6 +24,10 @@ The 1-minute load average before and after each benchmark is recorded (the machi
   trl         the same against TRL's SFTTrainer (bench/trl_sft.py: packing and assistant-only loss on),
               run from its own venv (--trl-venv, created with python3 -m venv + pip when missing), with
               peak memory per rank. Target >= 2x.
+  dpo         recipes/dpo.py vs TRL's DPOTrainer (bench/trl_dpo.py, TRL's venv) from one model directory of
+              llama-32k's shape on data/demo/preference.jsonl (bench/configs/llama-32k-dpo.yaml: ddp, 2 ranks,
+              sigmoid, live frozen reference, full fine-tuning): response tokens/s and peak memory per rank,
+              --pairs pairs. Target >= 1.3x.
   memory      per-rank bytes of parameters + gradients + AdamW state and peak RSS for ddp / fsdp /
               fsdp2 on an ~81M-parameter Llama (bench/memory_probe.py), and the host RAM used while
               loading it from a safetensors directory with 2 ranks vs one copy of the weights.
@@ -63,7 +67,7 @@ BENCH = REPO / "bench"
 DEMO = REPO / "configs" / "demo.yaml"
 SHAPE_32K = BENCH / "configs" / "llama-32k.yaml"  # real proportions (Llama 2 / Mistral), scaled down
 SHAPE_128K = BENCH / "configs" / "llama-128k.yaml"  # Llama 3's vocabulary, seq 2048
-NAMES = ["overhead", "loss", "trainer", "trl", "memory", "data", "checkpoint"]
+NAMES = ["overhead", "loss", "trainer", "trl", "dpo", "memory", "data", "checkpoint"]
 TIMEOUT = 600
 
 
@@ -301,6 +305,96 @@ def bench_trl(ctx: Ctx) -> dict:
     return vs_hf(ctx, "trl")
 
 
+# -- 2b. DPO vs TRL's DPOTrainer -------------------------------------------------------------------
+
+SHAPE_DPO = BENCH / "configs" / "llama-32k-dpo.yaml"
+DPO_RECIPE = REPO / "recipes" / "dpo.py"
+
+
+def dpo_overrides(cfg: Path) -> list[str]:
+    """train.loss_impl=full while recipes/dpo.py refuses the default loss_impl; none once it takes it."""
+    try:
+        run([sys.executable, DPO_RECIPE, "--config", cfg, "--print-config"], TIMEOUT)
+    except BenchError as e:
+        if "train.loss_impl" not in str(e):
+            raise
+        return ["train.loss_impl=full"]
+    return []
+
+
+def bench_dpo(ctx: Ctx) -> dict:
+    """Useful (response) tokens/s of recipes/dpo.py vs TRL's DPOTrainer from one model directory, ddp, 2 ranks."""
+    steps, warmup, window, pairs = (6, 2, 2, 1) if ctx.quick else (20, 5, 5, ctx.pairs)
+    work = ctx.dir("dpo")
+    bindir = trl_python(ctx)
+    model_dir = work / "model"
+    shape = yaml.safe_load(SHAPE_32K.read_text())["model"]["config"]
+    run([sys.executable, BENCH / "memory_probe.py", "--export", model_dir, "--shape", json.dumps(shape)], TIMEOUT)
+    cfg = write_config(work / "dpo.yaml", SHAPE_DPO, {"model": {"path": str(model_dir)}})
+    c = yaml.safe_load(cfg.read_text())
+    overrides = dpo_overrides(cfg)
+
+    def run_recipe(i: int) -> dict:
+        out = work / f"recipe_{i}"
+        torchrun([DPO_RECIPE, "--config", cfg, f"output_dir={out}", f"train.max_steps={steps}", "log.every_steps=1",
+                  "log.progress=false", "checkpoint.resume=never", *overrides], timeout=TIMEOUT,
+                 log=work / f"recipe_{i}.log")
+        records = train_records(out)
+        rate, _, _ = useful_tokens_per_sec(records, warmup)
+        tokens = [r["trained_tokens"] for r in records]
+        return {"rate": rate, "tokens": tokens, "mem": max(r["mem_gb"] for r in records),
+                "best": best_window_rate([r["elapsed_s"] for r in records], tokens, warmup, window)}
+
+    def run_trl(i: int) -> dict:
+        res = work / f"trl_{i}.json"
+        run([bindir / "torchrun", "--standalone", "--nproc_per_node=2", BENCH / "trl_dpo.py", "--config", cfg,
+             "--data", c["data"]["path"], "--steps", steps, "--warmup", warmup, "--output-dir", work / f"trl_{i}",
+             "--out", res], TIMEOUT, {"HF_DATASETS_CACHE": str(work / "hf_cache")}, work / f"trl_{i}.log")
+        info = json.loads(res.read_text())
+        info["best"] = best_window_rate(info["step_end_s"], info["step_trained_tokens"], warmup, window)
+        return info
+
+    runs = alternating_pairs(pairs, run_recipe, run_trl)
+    ratios_ = [a["rate"] / b["useful_tokens_per_sec"] for a, b in runs]
+    best = [a["best"] / b["best"] for a, b in runs]
+    mem = [a["mem"] / (b["peak_rss_bytes"] / 2**30) for a, b in runs]
+    rows = [[f"pair {i + 1} ({pair_order(i)})", f"{a['rate']:,.0f}", f"{b['useful_tokens_per_sec']:,.0f}",
+             f"{r:.2f}", f"{w:.2f}", f"{a['mem']:.2f} / {b['peak_rss_bytes'] / 2**30:.2f}"]
+            for i, ((a, b), r, w) in enumerate(zip(runs, ratios_, best))]
+    rows.append(["**median**", f"{median([a['rate'] for a, _ in runs]):,.0f}",
+                 f"{median([b['useful_tokens_per_sec'] for _, b in runs]):,.0f}", f"**{median(ratios_):.2f}**",
+                 f"{median(best):.2f}", f"ratio {median(mem):.2f}"])
+    text = table(["run (A = recipe, B = TRL DPOTrainer)", "recipe response tokens/s", "TRL response tokens/s",
+                  "recipe / TRL", f"best {window}-step window, recipe / TRL", "peak GiB / rank, recipe / TRL"], rows)
+    a, b = runs[-1]
+    same = all(x["tokens"] == y["step_trained_tokens"] for x, y in runs)
+    text += (f"\n\nShape: {describe_shape(SHAPE_32K).split(', seq')[0]}; one random model "
+             f"directory (bench/memory_probe.py --export) that both sides start from, for the policy and the frozen "
+             f"reference. Pairs: {c['data']['path']} (text form), max length {c['data']['seq_len']}, micro-batch "
+             f"{c['train']['micro_batch_size']} pairs per rank (chosen + rejected rows in one forward, padded to the "
+             f"longest row), 2 ranks gloo, DDP, fp32, sigmoid loss, beta {c['dpo']['beta']}, live frozen reference, "
+             f"full fine-tuning. Useful = response tokens of chosen and rejected rows (what "
+             f"carries a log-prob), all ranks: per step the two sides counted "
+             f"{'the same tokens (same pairs in the same order)' if same else 'different tokens'}, median "
+             f"{median(a['tokens'][warmup:]):,.0f}. Recipe: recipes/dpo.py, "
+             f"{' '.join(overrides) or 'train.loss_impl default'}. TRL {b['trl']} DPOTrainer: "
+             f"activation checkpointing {b['activation_checkpointing']} and bf16={b['bf16']} (TRL turns both on "
+             f"by default), precompute_ref_log_probs={b['precompute_ref_log_probs']}, padding_free={b['padding_free']} "
+             f"(TRL's defaults), truncation {b['truncation_mode']}, optimizer {b['optim']}, attention "
+             f"{b['attn_implementation']}, {b['wrapper']} with find_unused_parameters={b['find_unused_parameters']} "
+             f"(transformers' default without gradient checkpointing); TRL defaults otherwise, in its own venv "
+             f"({ctx.trl_venv}). {steps} steps, the first {warmup} left out; time from rank 0 at the end of each "
+             f"step. Peak memory: peak RSS of the process, max over ranks. Spread of the per-pair ratios: "
+             f"{max(ratios_) / min(ratios_):.2f}x.")
+    return {"title": "DPO: response tokens/s vs TRL DPOTrainer", "table": text,
+            "ratios": [ratio("dpo: recipe / TRL DPOTrainer response tokens/s", median(ratios_), 1.3),
+                       ratio("dpo: best window, recipe / TRL DPOTrainer", median(best), 1.3),
+                       ratio("dpo: recipe / TRL DPOTrainer peak memory per rank", median(mem))],
+            "raw": {"runs": runs, "ratios": ratios_, "best_window_ratios": best, "memory_ratios": mem,
+                    "same_tokens": same, "overrides": overrides, "steps": steps, "warmup": warmup,
+                    "config": str(SHAPE_DPO.relative_to(REPO))}}
+
+
 # -- 3. memory -------------------------------------------------------------------------------------
 
 MEM_SHAPE = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 12,
@@ -474,7 +568,7 @@ def bench_checkpoint(ctx: Ctx) -> dict:
                     "dd_write_2streams_s": two[0], "dd_mib": mib}}
 
 
-BENCHES = {"overhead": bench_overhead, "loss": bench_loss, "trainer": bench_trainer, "trl": bench_trl, "memory": bench_memory, "data": bench_data,
+BENCHES = {"overhead": bench_overhead, "loss": bench_loss, "trainer": bench_trainer, "trl": bench_trl, "dpo": bench_dpo, "memory": bench_memory, "data": bench_data,
            "checkpoint": bench_checkpoint}
 
 
