@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a 
 
 import torch  # noqa: E402
 
-from llmtrain import distributed, lora, model as model_lib, parallelize, train as trainer  # noqa: E402
+from llmtrain import data, distributed, lora, model as model_lib, parallelize, reference_cache  # noqa: E402
+from llmtrain import train as trainer  # noqa: E402
 from llmtrain import preference_loss as pl  # noqa: E402
 from llmtrain.preference_loss import DPOConfig  # noqa: E402
 from llmtrain.config import ConfigError  # noqa: E402
@@ -51,7 +52,7 @@ def check(cfg: DPOConfig) -> None:
                           "demo's export: run torchrun --standalone --nproc_per_node=2 recipes/finetune.py "
                           "--config configs/demo.yaml first)") from None
     d = cfg.dpo
-    pl.check(d.loss, d.beta, d.label_smoothing, d.gamma, d.sft_weight)
+    pl.check(d.loss, d.beta, d.label_smoothing, d.gamma, d.sft_weight, d.precompute_reference)
     formats = {s.format for s in cfg.data.sources} if cfg.data.sources else {cfg.data.format}
     if formats != {"preference"}:
         raise ConfigError(f"data.format: recipes/dpo.py trains on pairs: set data.format=preference (got "
@@ -72,19 +73,29 @@ def pair_logps(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch
 def train(cfg: DPOConfig, env: distributed.DistEnv) -> torch.nn.Module:
     run = trainer.build(cfg, env)
     model, plan, d = run.model, run.plan, cfg.dpo
-    reference = None  # full fine-tuning: a frozen copy; LoRA: the policy with its adapters off
-    if d.loss not in pl.REFERENCE_FREE:
-        reference = model if cfg.lora.enabled else trainer.build_frozen(cfg, env, run.model_config, plan)
-    run.metrics.info(f"dpo: loss {d.loss}, beta {d.beta:g}, reference "
-                     + ("none" if reference is None else "adapters off" if cfg.lora.enabled else "frozen copy"))
-    _, steps = trainer.data_steps(run, pairs=True)
 
-    def reference_logps(batch: dict) -> torch.Tensor | None:
-        if reference is None:
-            return None
-        off = lora.adapters_disabled(model) if cfg.lora.enabled else contextlib.nullcontext()
-        with torch.no_grad(), off, parallelize.autocast(plan, env.device):
-            return pair_logps(reference, batch)[0]
+    def live_reference() -> reference_cache.Scorer:  # full fine-tuning: a frozen copy; LoRA: adapters off
+        reference = model if cfg.lora.enabled else trainer.build_frozen(run)
+
+        def reference_logps(batch: dict) -> torch.Tensor:
+            off = lora.adapters_disabled(model) if cfg.lora.enabled else contextlib.nullcontext()
+            with torch.no_grad(), off, parallelize.autocast(plan, env.device):
+                return pair_logps(reference, batch)[0]
+        return reference_logps
+
+    has_reference = d.loss not in pl.REFERENCE_FREE
+    reference_logps = live_reference() if has_reference and not d.precompute_reference else None
+    run.metrics.info(f"dpo: loss {d.loss}, beta {d.beta:g}, reference "
+                     + ("none" if not has_reference else "adapters off" if cfg.lora.enabled else "frozen copy")
+                     + (", precomputed" if d.precompute_reference else ""))
+    built, steps = trainer.data_steps(run, pairs=True)
+    if d.precompute_reference:  # scored once (or read back) here; no reference model during training
+        where = reference_cache.directory(
+            built.train, Path(cfg.output_dir), seq_len=cfg.data.seq_len, compute=cfg.parallel.mixed_precision,
+            weights=lora.fingerprint(cfg.model.path, cfg.model.config, cfg.train.seed)["fingerprint"],
+            weights_dtype=cfg.lora.base_dtype if cfg.lora.enabled else "fp32")
+        reference_logps = reference_cache.precompute(where, len(built.train), lambda p: data.pairs_batch(built, p),
+                                                     cfg.train.micro_batch_size, live_reference, env, run.metrics.info)
 
     def step(batches: list[dict]) -> StepResult:
         batches = [{k: v.to(env.device, non_blocking=True) for k, v in b.items()} for b in batches]
@@ -94,7 +105,7 @@ def train(cfg: DPOConfig, env: distributed.DistEnv) -> torch.nn.Module:
         loss_sum = torch.zeros((), device=env.device)
         summed = torch.zeros(len(pl.METRICS), device=env.device)
         for i, batch in enumerate(batches):
-            ref = reference_logps(batch)
+            ref = reference_logps(batch) if reference_logps is not None else None
             with parallelize.grad_sync(model, plan, enabled=i == len(batches) - 1):
                 with parallelize.autocast(plan, env.device):
                     logps, lengths = pair_logps(model, batch)

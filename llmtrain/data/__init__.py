@@ -26,7 +26,7 @@ from llmtrain.data.sampling import GlobalOrderSampler, step_batches
 from llmtrain.data.sources import resolve_files
 
 __all__ = ["IGNORE", "GlobalOrderSampler", "step_batches", "resolve_files", "check", "build", "Built",
-           "StreamSteps", "MapSteps", "make_steps", "prepare_tokenizer"]
+           "StreamSteps", "MapSteps", "make_steps", "pairs_batch", "prepare_tokenizer"]
 
 PACK_BATCH = 1000  # examples packed together; the last row of each batch is padded
 
@@ -158,7 +158,8 @@ def _rows(examples, section: DataConfig, tokenizer, stats: Stats):
     stats.num_examples += len(examples)
     if "chosen_ids" in examples.column_names:  # pairs: collate_pairs pads each micro-batch
         stats.truncated += sum(examples["truncated"])
-        return examples.remove_columns("truncated")
+        # Each pair's position rides along in its batch: precomputed reference log-probs are looked up by it.
+        return examples.remove_columns("truncated").add_column("pair_index", list(range(len(examples))))
     stats.truncated += sum(1 for ids, split in zip(examples["input_ids"], examples["split"])
                            if len(ids) > section.seq_len and not (split and section.packing))
     return examples.map(_pack_batch, batched=True, batch_size=PACK_BATCH, remove_columns=examples.column_names,
@@ -282,8 +283,14 @@ def _collate(rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
 
 
 def _collate_pairs(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    return collate_pairs([Pair(r["prompt_ids"].tolist(), r["chosen_ids"].tolist(), r["rejected_ids"].tolist(), False)
-                          for r in rows], pad_id)
+    batch = collate_pairs([Pair(r["prompt_ids"].tolist(), r["chosen_ids"].tolist(), r["rejected_ids"].tolist(),
+                                False) for r in rows], pad_id)
+    return {**batch, "pair_index": torch.stack([r["pair_index"] for r in rows])}
+
+
+def pairs_batch(built: Built, positions: list[int]) -> dict[str, torch.Tensor]:
+    """The pairs at these positions of built.train, collated as a training micro-batch."""
+    return _collate_pairs([built.train[i] for i in positions], built.pad_id)
 
 
 class MapSteps:
