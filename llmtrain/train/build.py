@@ -100,8 +100,8 @@ def build(cfg: Config, env: distributed.DistEnv) -> Run:
         metrics.info(f"resumed at step {state.step} ({state.samples_seen} samples seen)")
     if env.is_main:
         (Path(cfg.output_dir) / "config.yaml").write_text(to_yaml(cfg))
-    return Run(cfg, env, tokenizer, model_config, model, plan, mesh, opt, parallelize.grad_scaler(plan, env.device), peak,
-               global_batch, n_params, ckpt, state, metrics, token_loss, preemption)
+    return Run(cfg, env, tokenizer, model_config, model, plan, mesh, opt, parallelize.grad_scaler(plan, env.device),
+               peak, global_batch, n_params, ckpt, state, metrics, token_loss, preemption)
 
 
 def data_steps(run: Run, pairs: bool = False):
