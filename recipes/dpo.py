@@ -37,6 +37,8 @@ The data are pairs (data.format: preference): {"prompt", "chosen", "rejected"} a
 messages. model.path is the model to tune, usually a supervised fine-tune (configs/demo-dpo.yaml starts
 from the SFT demo's export, outputs/demo/hf). With full fine-tuning the reference is a frozen copy of
 model.path; with lora.enabled it is the same model with its adapters switched off; dpo.loss=simpo needs none.
+dpo.precompute_reference=true scores every pair with it once before training (cached next to the tokenized
+data, reused by later runs) and frees it.
 
 Writes to output_dir what recipes/finetune.py writes; metrics.jsonl adds TRL's names: rewards/chosen,
 rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected.
