@@ -158,8 +158,7 @@ def _rows(examples, section: DataConfig, tokenizer, stats: Stats):
     stats.num_examples += len(examples)
     if "chosen_ids" in examples.column_names:  # pairs: collate_pairs pads each micro-batch
         stats.truncated += sum(examples["truncated"])
-        # Each pair's position rides along in its batch: precomputed reference log-probs are looked up by it.
-        return examples.remove_columns("truncated").add_column("pair_index", list(range(len(examples))))
+        return examples.remove_columns("truncated")
     stats.truncated += sum(1 for ids, split in zip(examples["input_ids"], examples["split"])
                            if len(ids) > section.seq_len and not (split and section.packing))
     return examples.map(_pack_batch, batched=True, batch_size=PACK_BATCH, remove_columns=examples.column_names,
@@ -215,6 +214,10 @@ def _build(section: DataConfig, tokenizer, seed: int, rank: int, world_size: int
         train = _rows(examples, section, tokenizer, stats)
         if len(train) == 0:
             raise ConfigError(f"the training data yields no rows ({stats.summary()})")
+        if "chosen_ids" in train.column_names:
+            # Each training pair's position rides along in its batches: precomputed reference log-probs are
+            # looked up by it (llmtrain/reference_cache.py). Validation pairs have none: nothing of theirs is.
+            train = train.add_column("pair_index", list(range(len(train))))
         train = train.with_format("torch")
     if section.val_path:
         val_examples = _examples(section.val_path, sources(section)[0].format, "data.val_path", section, tokenizer,
@@ -285,7 +288,7 @@ def _collate(rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
 def _collate_pairs(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     batch = collate_pairs([Pair(r["prompt_ids"].tolist(), r["chosen_ids"].tolist(), r["rejected_ids"].tolist(),
                                 False) for r in rows], pad_id)
-    return {**batch, "pair_index": torch.stack([r["pair_index"] for r in rows])}
+    return {**batch, "pair_index": torch.stack([r["pair_index"] for r in rows])} if "pair_index" in rows[0] else batch
 
 
 def pairs_batch(built: Built, positions: list[int]) -> dict[str, torch.Tensor]:
