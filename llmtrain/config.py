@@ -93,7 +93,8 @@ class DataConfig:
 @dataclass
 class EvalConfig:
     every_steps: int = 0
-    """Evaluate val_loss / val_ppl on all ranks every N steps (and at the end); 0 disables."""
+    """Evaluate val_loss / val_ppl (recipes/dpo.py: val_loss, val_rewards/*, val_logps/*) on all ranks every N
+    steps (and at the end); 0 disables."""
     max_batches: int = 0
     """Micro-batches per rank per evaluation; 0 evaluates the whole validation set."""
 

@@ -67,6 +67,15 @@ def apply(model: nn.Module, section: LoraConfig) -> nn.Module:
     if lost:
         raise ConfigError(f"lora.modules_to_save: {lost} match no module of the model "
                           f"(e.g. {[n for n in names if n.count('.') < 2 and n][:8]})")
+    tied = _tied_embeddings(model)
+    if hit := [k for k in section.modules_to_save if any(_matches(n, k) for n in tied)]:
+        # PEFT (0.21) ties the trained copies only with ensure_weight_tying, and transformers' tie_weights (needed
+        # after materializing) then fails (KeyError); without it, tie_weights ties lm_head to the trained copy and
+        # the adapter export failed after training (measured). Refuse before any work instead.
+        raise ConfigError(f"lora.modules_to_save: {hit} is tied: {' and '.join(tied)} share one weight "
+                          "(tie_word_embeddings=true), which a trained copy would untie; leave it out, or untie the "
+                          "base first (save it with tie_word_embeddings=false and its own lm_head.weight) and list "
+                          "both embeddings")
     model = peft.inject_adapter_in_model(_peft_config(section), model, adapter_name=ADAPTER)
     if section.base_dtype == "bf16":
         cast = {}  # by parameter: tied embeddings stay one tensor
@@ -76,6 +85,14 @@ def apply(model: nn.Module, section: LoraConfig) -> nn.Module:
                     new = cast.setdefault(p, nn.Parameter(p.to(torch.bfloat16), requires_grad=False))
                     setattr(module, name, new)
     return model
+
+
+def _tied_embeddings(model: nn.Module) -> list[str]:
+    """The input and output embedding modules' names when they share one weight, else []."""
+    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    if out is None or inp.weight is not out.weight:
+        return []
+    return [n for n, m in model.named_modules() if m is inp or m is out]
 
 
 def prepare(model: nn.Module, section: LoraConfig, seed: int) -> tuple[nn.Module, dict[str, torch.Tensor] | None]:

@@ -5,7 +5,8 @@ How the per-token losses are computed is `train.loss_impl`:
   full     the model's logits, [tokens x vocab] in fp32, then cross-entropy (what transformers does)
   chunked  the final hidden states of the trained tokens only, through the model's own output layer a
            chunk of tokens at a time; each chunk's gradient is taken at once, so neither the logits nor
-           their gradient ever exist for more than one chunk
+           their gradient ever exist for more than one chunk. Per-token log-probs (token_logps, for
+           losses such as DPO's) recompute each chunk's logits in the backward pass instead
   liger    Liger Kernel's fused linear cross-entropy (CUDA only, an optional extra)
 """
 
@@ -45,6 +46,14 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
+def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities (fp32) of the trained tokens, flat in row-major order: what TokenLoss.token_logps
+    gives from the chunked path too (as minus its per-token cross-entropies)."""
+    targets = next_token_targets(labels)
+    keep = targets != IGNORE
+    return -F.cross_entropy(logits[keep].float(), targets[keep], reduction="none")
+
+
 def check(impl: str, device_type: str) -> None:
     """Before any process group exists: liger needs CUDA and the liger-kernel package."""
     if impl != "liger":
@@ -67,7 +76,8 @@ def _causal_lm(model: nn.Module) -> PreTrainedModel:
 
 
 class TokenLoss:
-    """`loss_sum(model, batch)`: the summed next-token loss of one micro-batch, by `train.loss_impl`.
+    """`loss_sum(model, batch)`: the summed next-token loss of one micro-batch, by `train.loss_impl`;
+    `token_logps(model, batch)`: the log-prob of each trained token (liger: refused).
 
     chunked and liger run inside the model's own forward, so that FSDP1/FSDP2 hold the output layer
     gathered (once per micro-batch) and register their backward hooks on the loss, which the forward
@@ -137,26 +147,60 @@ class TokenLoss:
                               "the output layer in a way llmtrain does not reproduce; use train.loss_impl=full")
 
     def loss_sum(self, model: nn.Module, batch: dict) -> torch.Tensor:
-        inputs = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
         if self.impl == "full":
-            return token_loss_sum(model(**inputs).logits, batch["labels"])
+            return token_loss_sum(self._logits(model, batch), batch["labels"])
+        return self._on_trained_rows(model, batch, self._liger if self.impl == "liger" else self._chunked)
+
+    def token_logps(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        """Log-probs (fp32) of the trained tokens, flat in row-major order (token_logps() of the full logits),
+        differentiable for any downstream loss (DPO's): chunked, they are computed a chunk at a time with no
+        logits kept, and each chunk's logits are recomputed in the backward pass."""
+        if self.impl == "full":
+            return token_logps(self._logits(model, batch), batch["labels"])
+        if self.impl == "liger":  # recipes refuse it before start-up; this names the reason for library callers
+            raise ConfigError("train.loss_impl=liger yields only a summed loss, not per-token log-probs; "
+                              "use train.loss_impl=chunked or full")
+        return self._on_trained_rows(model, batch, self._chunked_logps)
+
+    @staticmethod
+    def _logits(model: nn.Module, batch: dict) -> torch.Tensor:
+        return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+
+    def _on_trained_rows(self, model: nn.Module, batch: dict, fn) -> torch.Tensor:
+        """The model's forward, returning fn(final hidden states of the trained positions, their targets)."""
         targets = next_token_targets(batch["labels"])
         keep = targets != IGNORE  # untrained positions (prompt, padding) never reach the output layer
         flat = targets[keep]
 
         def on_hidden(hidden):
-            self._loss = self._liger(hidden, flat) if self.impl == "liger" else self._chunked(hidden, flat)
+            self._loss = fn(hidden, flat)
             return hidden[:0]
 
         with self._in_forward(on_hidden):
-            return model(**inputs, labels=targets, logits_to_keep=keep).loss
+            return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
+                         labels=targets, logits_to_keep=keep).loss
+
+    def chunk_logps(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Log-probs (fp32) of targets under head_logits(hidden), for one chunk of rows."""
+        return -F.cross_entropy(self.head_logits(hidden).float(), targets, reduction="none")
 
     def _chunked(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
-            return sum((F.cross_entropy(self.head_logits(h).float(), t, reduction="sum")
-                        for h, t in zip(hidden.split(self.chunk_tokens), targets.split(self.chunk_tokens))),
-                       torch.zeros((), device=hidden.device))
+            return -self._no_grad_logps(hidden, targets).sum()
         return _ChunkedHeadLoss.apply(self, hidden, targets, *_trainable_leaves(self, hidden[:1]))
+
+    def _chunked_logps(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():  # e.g. DPO's reference: nothing to recompute
+            return self._no_grad_logps(hidden, targets)
+        return _ChunkedHeadLogps.apply(self, hidden, targets, *_trainable_leaves(self, hidden[:1]))
+
+    @torch.no_grad()
+    def _no_grad_logps(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.chunk_logps(hidden[rows], targets[rows]) for rows in self._chunks(len(targets))])
+
+    def _chunks(self, n: int) -> list[slice]:
+        """Row ranges of at most chunk_tokens; one empty range when n is 0 (a batch with nothing trained)."""
+        return [slice(start, start + self.chunk_tokens) for start in range(0, max(n, 1), self.chunk_tokens)]
 
     def _liger(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
@@ -188,6 +232,26 @@ def _trainable_leaves(loss: TokenLoss, probe: torch.Tensor) -> list[torch.Tensor
     return leaves
 
 
+def _head_grads(loss: TokenLoss, hidden: torch.Tensor, targets: torch.Tensor, leaves: list[torch.Tensor],
+                weights: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Chunk by chunk: the log-probs of targets under head_logits(hidden), and the gradients of
+    sum(weights x log-probs) w.r.t. the hidden rows and the head's leaves (weights None: all -1, i.e. the
+    summed cross-entropy's). Only one chunk's logits exist at a time."""
+    grad_hidden = torch.zeros_like(hidden)
+    grad_leaves = [None] * len(leaves)
+    logps = []
+    for rows in loss._chunks(len(targets)):
+        with torch.enable_grad():
+            h = hidden[rows].detach().requires_grad_()
+            chunk = loss.chunk_logps(h, targets[rows])
+        grads = torch.autograd.grad(chunk, [h, *leaves], -torch.ones_like(chunk) if weights is None else weights[rows])
+        grad_hidden[rows] = grads[0]
+        for i, g in enumerate(grads[1:]):
+            grad_leaves[i] = g if grad_leaves[i] is None else grad_leaves[i].add_(g)
+        logps.append(chunk.detach())
+    return torch.cat(logps), grad_hidden, grad_leaves
+
+
 class _ChunkedHeadLoss(torch.autograd.Function):
     """sum of cross-entropies of head_logits(hidden) against targets, chunk by chunk. Forward takes each
     chunk's gradients (w.r.t. its hidden rows and the head's leaves) right away and keeps only those;
@@ -195,27 +259,38 @@ class _ChunkedHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, loss: TokenLoss, hidden: torch.Tensor, targets: torch.Tensor, *leaves: torch.Tensor):
-        grad_hidden = torch.zeros_like(hidden)
-        grad_leaves = [None] * len(leaves)
-        total = torch.zeros((), device=hidden.device)
-        for start in range(0, len(targets), loss.chunk_tokens):
-            rows = slice(start, start + loss.chunk_tokens)
-            with torch.enable_grad():
-                h = hidden[rows].detach().requires_grad_()
-                chunk = F.cross_entropy(loss.head_logits(h).float(), targets[rows], reduction="sum")
-            grads = torch.autograd.grad(chunk, [h, *leaves])
-            grad_hidden[rows] = grads[0]
-            for i, g in enumerate(grads[1:]):
-                grad_leaves[i] = g if grad_leaves[i] is None else grad_leaves[i].add_(g)
-            total += chunk.detach()
-        ctx.save_for_backward(grad_hidden, *[g if g is not None else torch.zeros_like(x)
-                                             for g, x in zip(grad_leaves, leaves)])
-        return total
+        logps, grad_hidden, grad_leaves = _head_grads(loss, hidden, targets, leaves, None)
+        ctx.save_for_backward(grad_hidden, *grad_leaves)
+        return -logps.sum()
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         grad_hidden, *grad_leaves = ctx.saved_tensors
         return None, grad_hidden * grad_out, None, *(g * grad_out for g in grad_leaves)
+
+
+class _ChunkedHeadLogps(torch.autograd.Function):
+    """Per-token log-probs of targets under head_logits(hidden). Their downstream gradient is known only
+    once the whole forward is done (a DPO loss pairs rows), so forward keeps no logits and backward
+    recomputes them chunk by chunk (under the forward's autocast), inside the model's backward pass."""
+
+    @staticmethod
+    def forward(ctx, loss: TokenLoss, hidden: torch.Tensor, targets: torch.Tensor, *leaves: torch.Tensor):
+        device = hidden.device.type
+        # The leaves as references, not saved tensors: FSDP may refill an unsharded parameter in place
+        # between forward and backward, which a saved tensor's version check would refuse.
+        ctx.loss, ctx.leaves = loss, leaves
+        ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
+        ctx.save_for_backward(hidden, targets)
+        return loss._no_grad_logps(hidden, targets)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        hidden, targets = ctx.saved_tensors
+        device, dtype, enabled = ctx.autocast
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            _, grad_hidden, grad_leaves = _head_grads(ctx.loss, hidden, targets, ctx.leaves, grad_out)
+        return None, grad_hidden, None, *grad_leaves
 
 
 @torch.no_grad()

@@ -37,6 +37,14 @@ Model FLOPs (the "model FLOPs utilization" of the PaLM paper, appendix B), per t
                hidden size for Llama); seq_len = data.seq_len, the row, as is customary (causal
                masking is not halved; packed examples attend to less).
 
+  With LoRA (frozen weights), backward still computes activation gradients through every weight
+  (2 * N) but weight gradients only for the trained ones (2 * N_trained: adapters, modules_to_save):
+
+    flops_per_token = 4 * N + 2 * N_trained + 12 * n_layers * d_attn * seq_len
+
+  (N includes the adapters; the attention term is unchanged: its backward has no weights. The first
+  layer's input gradient, not needed under a frozen embedding, is counted: < 1/L of 2N.)
+
   mfu = flops_per_token x (non-padding tokens per second) / (devices x peak FLOP/s per device)
 
 Padding is excluded (prompt tokens without a loss are not: they are computed all the same).
@@ -80,18 +88,21 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
 # -- pure functions -------------------------------------------------------------------------------
 
 def flops_per_token(n_params: int, n_layers: int, attn_dim: int, seq_len: int,
-                    untied_input_embedding: int = 0) -> float:
-    """Model FLOPs (forward + backward) per token: 6 * N + 12 * n_layers * attn_dim * seq_len, where
-    N = n_params - untied_input_embedding (see the module docstring)."""
-    return 6.0 * (n_params - untied_input_embedding) + 12.0 * n_layers * attn_dim * seq_len
+                    untied_input_embedding: int = 0, n_trained: int | None = None) -> float:
+    """Model FLOPs (forward + backward) per token: 4 * N + 2 * N_trained + 12 * n_layers * attn_dim * seq_len,
+    where N = n_params - untied_input_embedding and N_trained = n_trained (LoRA: the trained parameters, none of
+    them a frozen input embedding), or N when None (full fine-tuning: 6N). See the module docstring."""
+    n = n_params - untied_input_embedding
+    return 4.0 * n + 2.0 * (n if n_trained is None else n_trained) + 12.0 * n_layers * attn_dim * seq_len
 
 
-def model_flops_per_token(config, n_params: int, seq_len: int) -> float:
-    """flops_per_token from a transformers config (Llama-style: hidden_size, num_hidden_layers, ...)."""
+def model_flops_per_token(config, n_params: int, seq_len: int, n_trained: int | None = None) -> float:
+    """flops_per_token from a transformers config (Llama-style: hidden_size, num_hidden_layers, ...);
+    n_trained: the trained parameters when the others are frozen (LoRA), None for full fine-tuning."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     untied = 0 if getattr(config, "tie_word_embeddings", False) else config.vocab_size * config.hidden_size
     return flops_per_token(n_params, config.num_hidden_layers, config.num_attention_heads * head_dim, seq_len,
-                           untied)
+                           untied, n_trained)
 
 
 def peak_tflops(device_name: str | None, dtype: str) -> float | None:
@@ -181,7 +192,7 @@ class Throughput:
     def describe(self) -> str:
         peak = (f"peak {self.peak:g} TFLOP/s per device ({self.peak_source})" if self.peak else
                 f"mfu is null ({self.peak_source}; set log.peak_tflops), tflops is reported")
-        return f"model FLOPs: {self.flops_per_tok / 1e9:.4g} GFLOP per token (6N + 12*L*d*S) | {peak}"
+        return f"model FLOPs: {self.flops_per_tok / 1e9:.4g} GFLOP per token (llmtrain/metrics.py) | {peak}"
 
     def add(self, batches: list[dict[str, torch.Tensor]], step_time: float) -> None:
         """One optimizer step on this rank: its micro-batches and its time (data wait excluded)."""

@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from llmtrain.config import Config, ConfigError
+from llmtrain.distributed import all_reduce
 from llmtrain.data.formats import IGNORE
-from llmtrain.loss import next_token_targets
+from llmtrain.loss import next_token_targets, token_logps  # noqa: F401  (token_logps: from full logits, here too)
 
 LOSSES = ("sigmoid", "ipo", "simpo")
 REFERENCE_FREE = {"simpo"}
@@ -77,14 +78,6 @@ def check(loss: str, beta: float, label_smoothing: float, gamma: float, sft_weig
     if precompute_reference and loss in REFERENCE_FREE:
         raise ConfigError(f"dpo.precompute_reference: dpo.loss={loss} uses no reference model, so there is nothing "
                           "to precompute; set dpo.precompute_reference=false")
-
-
-def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Log-probabilities (fp32) of the trained tokens, flat in row-major order: what a chunked loss over
-    the trained positions yields too (as minus its per-token cross-entropies)."""
-    targets = next_token_targets(labels)
-    keep = targets != IGNORE
-    return -F.cross_entropy(logits[keep].float(), targets[keep], reduction="none")
 
 
 def sequence_logps(flat_logps: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,3 +137,26 @@ def objective(sums: PairSums, totals: torch.Tensor, sft_weight: float) -> torch.
 def metrics(summed: torch.Tensor, pairs: int) -> dict[str, float]:
     """METRICS as means over pairs, from PairSums.metrics summed over micro-batches and ranks."""
     return {name: value / max(pairs, 1) for name, value in zip(METRICS, summed.tolist())}
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches, pair_logps, device: torch.device,
+             section: DPOSection) -> dict[str, float]:
+    """The training objective and METRICS over every rank's validation pairs, as global means whatever the
+    world size: {"val_loss", "val_rewards/chosen", ...}. pair_logps(batch) -> (policy log-probs, lengths,
+    reference log-probs or None) per row. Collective: every rank passes as many batches (eval_batches)."""
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(4 + len(METRICS), dtype=torch.float64, device=device)  # loss, nll, pairs, chosen tokens
+    for batch in batches:
+        batch = {k: v.to(device) for k, v in batch.items()}
+        logps, lengths, ref = pair_logps(batch)  # every rank runs the forwards, even on a filler batch
+        if (batch["labels"] == IGNORE).all():  # eval_batches' filler for a rank out of pairs: no pair in it
+            continue
+        sums = preference_sums(logps, lengths, ref, section.loss, section.beta, section.label_smoothing,
+                               section.gamma)
+        totals += torch.cat([torch.stack([sums.loss, sums.nll]), pair_counts(batch["labels"]), sums.metrics]).double()
+    all_reduce(totals)
+    model.train(was_training)
+    loss = objective(PairSums(totals[0], totals[1], totals[4:]), totals[2:4], section.sft_weight)
+    return {"val_loss": loss.item(), **{f"val_{k}": v for k, v in metrics(totals[4:], int(totals[2])).items()}}

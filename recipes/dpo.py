@@ -6,7 +6,7 @@
 
 The shared body (command line, model, optimizer, checkpoints, resume, preemption, loop, export) is
 llmtrain.train, as for recipes/finetune.py; what is this recipe's own: the dpo: section, the reference
-model, and the step (one forward over a micro-batch's chosen and rejected rows, llmtrain.preference_loss).
+model, the step (one forward over a micro-batch's chosen and rejected rows, llmtrain.preference_loss) and eval.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from llmtrain import train as trainer  # noqa: E402
 from llmtrain import preference_loss as pl  # noqa: E402
 from llmtrain.preference_loss import DPOConfig  # noqa: E402
 from llmtrain.config import ConfigError  # noqa: E402
-from llmtrain.loss import trained_tokens  # noqa: E402
+from llmtrain.loss import TokenLoss, trained_tokens  # noqa: E402
 from llmtrain.step import StepResult, update  # noqa: E402
 
 
@@ -41,7 +41,8 @@ dpo.precompute_reference=true scores every pair with it once before training (ca
 data, reused by later runs) and frees it.
 
 Writes to output_dir what recipes/finetune.py writes; metrics.jsonl adds TRL's names: rewards/chosen,
-rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected.
+rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected; with eval.every_steps,
+val_loss and val_rewards/..., val_logps/... over the held-out pairs (data.val_path or data.val_fraction).
 """
 
 
@@ -59,17 +60,19 @@ def check(cfg: DPOConfig) -> None:
     if formats != {"preference"}:
         raise ConfigError(f"data.format: recipes/dpo.py trains on pairs: set data.format=preference (got "
                           f"{', '.join(sorted(formats))})")
-    if cfg.train.loss_impl != "full":
-        raise ConfigError("train.loss_impl: recipes/dpo.py computes log-probs from full logits; set "
-                          "train.loss_impl=full")
-    if cfg.eval.every_steps:
-        raise ConfigError("eval.every_steps: recipes/dpo.py has no evaluation yet; set eval.every_steps=0")
+    if d.precompute_reference and cfg.eval.every_steps:
+        raise ConfigError("dpo.precompute_reference covers the training pairs only, and eval.every_steps scores "
+                          "the validation pairs with the reference; set eval.every_steps=0 or "
+                          "dpo.precompute_reference=false")
+    if cfg.train.loss_impl == "liger":
+        raise ConfigError("train.loss_impl: recipes/dpo.py takes chunked (the default) or full; liger's fused "
+                          "kernel yields only a summed loss, not the per-token log-probs DPO needs")
 
 
-def pair_logps(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward over chosen and rejected rows -> (summed log-prob, trained tokens) per row, in fp32."""
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-    return pl.sequence_logps(pl.token_logps(logits, batch["labels"]), batch["labels"])
+def pair_logps(model: torch.nn.Module, token_loss: TokenLoss, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward over chosen and rejected rows -> (summed log-prob, trained tokens) per row, in fp32; with
+    train.loss_impl=chunked no [rows x seq x vocab] logits exist."""
+    return pl.sequence_logps(token_loss.token_logps(model, batch), batch["labels"])
 
 
 def train(cfg: DPOConfig, env: distributed.DistEnv) -> torch.nn.Module:
@@ -78,11 +81,14 @@ def train(cfg: DPOConfig, env: distributed.DistEnv) -> torch.nn.Module:
 
     def live_reference() -> reference_cache.Scorer:  # full fine-tuning: a frozen copy; LoRA: adapters off
         reference = model if cfg.lora.enabled else trainer.build_frozen(run)
+        # A frozen copy gets its own output layer's TokenLoss, made here so that it is freed with the copy.
+        ref_loss = run.token_loss if reference is model else TokenLoss(
+            cfg.train.loss_impl, reference, env.device, cfg.train.loss_chunk_tokens)
 
         def reference_logps(batch: dict) -> torch.Tensor:
             off = lora.adapters_disabled(model) if cfg.lora.enabled else contextlib.nullcontext()
             with torch.no_grad(), off, parallelize.autocast(plan, env.device):
-                return pair_logps(reference, batch)[0]
+                return pair_logps(reference, ref_loss, batch)[0]
         return reference_logps
 
     has_reference = d.loss not in pl.REFERENCE_FREE
@@ -110,7 +116,7 @@ def train(cfg: DPOConfig, env: distributed.DistEnv) -> torch.nn.Module:
             ref = reference_logps(batch) if reference_logps is not None else None
             with parallelize.grad_sync(model, plan, enabled=i == len(batches) - 1):
                 with parallelize.autocast(plan, env.device):
-                    logps, lengths = pair_logps(model, batch)
+                    logps, lengths = pair_logps(model, run.token_loss, batch)
                 sums = pl.preference_sums(logps, lengths, ref, d.loss, d.beta, d.label_smoothing, d.gamma)
                 part = pl.objective(sums, totals, d.sft_weight)
                 # Data-parallel wrappers average gradients over ranks: x world size makes them the global mean's.
@@ -122,7 +128,17 @@ def train(cfg: DPOConfig, env: distributed.DistEnv) -> torch.nn.Module:
         grad_norm, ok = update(model, plan, run.opt, run.scaler, cfg.train.max_grad_norm, loss)
         return StepResult(loss, grad_norm, n_tokens, ok, extra)
 
-    return trainer.loop(run, steps, step)
+    def evaluate(at_step: int) -> None:
+        def logps(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+            with parallelize.autocast(plan, env.device):
+                return (*pair_logps(model, run.token_loss, batch),
+                        reference_logps(batch) if reference_logps is not None else None)
+
+        batches = data.eval_batches(built.val, cfg.train.micro_batch_size, env.world_size, env.rank,
+                                    cfg.eval.max_batches, built.pad_id)
+        run.metrics.log({"step": at_step, **pl.evaluate(model, batches, logps, env.device, d)})
+
+    return trainer.loop(run, steps, step, evaluate)
 
 
 def main(argv: list[str] | None = None) -> int:

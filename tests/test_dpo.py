@@ -2,9 +2,11 @@
 the logged loss and TRL-named metrics at step 1 equal the formulas below computed in transformers on the
 same weights and batch (DPO with label smoothing and an SFT term; IPO with a LoRA policy whose reference
 is the base with its adapters off; SimPO without a reference); the same losses for ddp / fsdp / fsdp2 on
-2 ranks, micro-batches or accumulation; exact resume on another strategy; an export transformers loads;
-precomputed reference log-probs (dpo.precompute_reference) give the live reference's losses, are reused
-at another world size, and a damaged cache piece is computed again."""
+2 ranks, micro-batches or accumulation, chunked log-probs (the default) or full logits (ddp); the val_*
+metrics are the same formulas on the held-out pairs, on 1 or 2 ranks; exact resume on another strategy;
+an export transformers loads; precomputed reference
+log-probs (dpo.precompute_reference) give the live reference's losses, are reused at another world size,
+and a damaged cache piece is computed again."""
 
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ LORA_IPO = ("dpo.loss=ipo", "dpo.beta=0.5", "lora.enabled=true", "lora.r=4", "lo
 
 def dpo_args(base: Path, *extra: str) -> list[str]:
     return ["model.config=null", f"model.path={base}", f"data.path={PAIRS}", "data.format=preference",
-            "train.loss_impl=full", "train.max_steps=3", *extra]
+            "train.max_steps=3", *extra]
 
 
 @pytest.fixture(scope="session")
@@ -55,18 +57,28 @@ def lora_init(tmp_path_factory, base) -> Path:  # noqa: F811
 
 
 @pytest.fixture(scope="session")
-def dpo_runs(tmp_path_factory, base, lora_init) -> dict[str, Path]:  # noqa: F811
+def val_pairs(tmp_path_factory) -> Path:
+    """5 held-out pairs: on 2 ranks of 2 pairs a micro-batch, rank 1's second batch is eval's filler."""
+    out = tmp_path_factory.mktemp("dpo_val") / "val.jsonl"
+    out.write_text("".join(PAIRS.read_text().splitlines(keepends=True)[-5:]))
+    return out
+
+
+@pytest.fixture(scope="session")
+def dpo_runs(tmp_path_factory, base, lora_init, val_pairs) -> dict[str, Path]:  # noqa: F811
     root = tmp_path_factory.mktemp("dpo")
     # A copy of the pairs has a datasets cache of its own: the precomputed reference log-probs start absent.
     pairs = shutil.copy(PAIRS, root / "pairs.jsonl")
+    val = (f"data.val_path={val_pairs}", "eval.every_steps=3")  # at the last step
     runs = {  # name: (ranks, overrides); global batch 4 pairs in each
-        "none": (1, ("parallel.strategy=none", "checkpoint.every_steps=2", *SIGMOID)),
-        "ddp": (2, ("parallel.strategy=ddp", "train.micro_batch_size=1", "train.grad_accum_steps=2", *SIGMOID)),
-        "fsdp": (2, ("parallel.strategy=fsdp", "train.micro_batch_size=2", *SIGMOID)),
+        "none": (1, ("parallel.strategy=none", "checkpoint.every_steps=2", *val, *SIGMOID)),
+        "ddp": (2, ("parallel.strategy=ddp", "train.micro_batch_size=1", "train.grad_accum_steps=2",
+                    "train.loss_impl=full", *SIGMOID)),
+        "fsdp": (2, ("parallel.strategy=fsdp", "train.micro_batch_size=2", *val, *SIGMOID)),
         "fsdp2": (2, ("parallel.strategy=fsdp2", "train.micro_batch_size=1", "train.grad_accum_steps=2", *SIGMOID)),
         "fsdp2_pre": (2, ("parallel.strategy=fsdp2", "train.micro_batch_size=2", f"data.path={pairs}", PRECOMPUTE,
                           *SIGMOID)),
-        "simpo": (1, ("parallel.strategy=none", *SIMPO)),
+        "simpo": (1, ("parallel.strategy=none", *val, *SIMPO)),
         "lora_ipo": (1, ("parallel.strategy=none", f"lora.init_from={lora_init}", *LORA_IPO)),
     }
     results = run_side_by_side({name: (root / name, ranks, dpo_args(base, *extra), DPO)
@@ -76,11 +88,12 @@ def dpo_runs(tmp_path_factory, base, lora_init) -> dict[str, Path]:  # noqa: F81
     return {name: root / name for name in runs}
 
 
-def first_batch() -> dict[str, torch.Tensor]:
-    """Step 1's 4 pairs as the recipe collates them (one process, micro-batch 4, tiny.yaml's seed 7)."""
+def first_batch(path: Path = PAIRS, pairs: int = 4) -> dict[str, torch.Tensor]:
+    """The first `pairs` pairs of `path` as the recipe collates them (one process, tiny.yaml's seed 7): by default
+    step 1's batch of 4."""
     tokenizer = load_tokenizer(str(REPO / "assets" / "tokenizer"), False)
-    built = data.build(DataConfig(path=str(PAIRS), format="preference", seq_len=64), tokenizer, seed=7)
-    (batch,) = next(data.make_steps(built, 4, 1, 1, 0, 7, torch.device("cpu"), {}))
+    built = data.build(DataConfig(path=str(path), format="preference", seq_len=64), tokenizer, seed=7)
+    (batch,) = next(data.make_steps(built, pairs, 1, 1, 0, 7, torch.device("cpu"), {}))
     return batch
 
 
@@ -136,6 +149,10 @@ def test_dpo_step_one_equals_the_formulas(dpo_runs, base, lora_init):  # noqa: F
             assert got[key] == pytest.approx(value, abs=1e-5), (name, key)
 
 
+def margins(output_dir: Path) -> list[float]:
+    return [r["rewards/margins"] for r in read_metrics(output_dir) if "loss" in r]  # training records
+
+
 @pytest.mark.slow
 def test_dpo_losses_match_across_strategies_ranks_and_accumulation(dpo_runs):
     want = losses_by_step(dpo_runs["none"])
@@ -143,9 +160,28 @@ def test_dpo_losses_match_across_strategies_ranks_and_accumulation(dpo_runs):
     for name in ("ddp", "fsdp", "fsdp2"):
         got = losses_by_step(dpo_runs[name])
         assert got == pytest.approx(want, abs=TOL), name
-        metrics = read_metrics(dpo_runs[name])[-1]
-        assert metrics["rewards/margins"] == pytest.approx(read_metrics(dpo_runs["none"])[-1]["rewards/margins"],
-                                                           abs=TOL), name
+        assert margins(dpo_runs[name]) == pytest.approx(margins(dpo_runs["none"]), abs=TOL), name
+
+
+@pytest.mark.slow
+def test_dpo_eval_is_the_training_formula_on_the_val_pairs_on_any_ranks(dpo_runs, base, val_pairs):  # noqa: F811
+    """eval.every_steps: val_loss and val_* (TRL's names) at the last step equal the formulas on all 5 val pairs
+    with the trained weights (the export), and 2 ranks (uneven, with a filler batch) log what 1 logs."""
+    from transformers import AutoModelForCausalLM
+
+    def load(path: Path):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    val = first_batch(val_pairs, pairs=5)
+    cases = {"none": expected("sigmoid", load(dpo_runs["none"] / "hf"), load(base), val, 0.5, 0.1, sft_weight=0.5),
+             "simpo": expected("simpo", load(dpo_runs["simpo"] / "hf"), None, val, 2.0, 0.1, gamma=0.5)}
+    logged = {name: [r for r in read_metrics(dpo_runs[name]) if "val_loss" in r] for name in ("none", "fsdp", "simpo")}
+    assert [r["step"] for r in logged["none"]] == [3] and [r["step"] for r in logged["simpo"]] == [1]
+    for name, want in cases.items():
+        for key, value in want.items():
+            assert logged[name][0][f"val_{key}"] == pytest.approx(value, abs=1e-5), (name, key)
+    for key in ("val_loss", *(f"val_{m}" for m in METRICS)):
+        assert logged["fsdp"][0][key] == pytest.approx(logged["none"][0][key], abs=TOL), key
 
 
 @pytest.mark.slow
@@ -205,7 +241,7 @@ def test_dpo_precomputed_reference_is_reused_and_a_damaged_piece_recomputed(tmp_
 
 
 def test_dpo_bad_settings_name_the_key(tmp_path, base):  # noqa: F811
-    cases = {("data.format=text",): "data.format=preference", ("train.loss_impl=chunked",): "train.loss_impl",
+    cases = {("data.format=text",): "data.format=preference", ("train.loss_impl=liger",): "train.loss_impl",
              ("model.path=outputs/nowhere/hf",): "recipes/finetune.py --config configs/demo.yaml",
              ("dpo.loss=simpo", PRECOMPUTE): "dpo.precompute_reference: dpo.loss=simpo uses no reference model"}
     for overrides, words in cases.items():

@@ -1,10 +1,13 @@
 """LoRA (PEFT) on a saved tiny model as model.path: the same losses on every strategy, world size and
-accumulation split (also with activation checkpointing); the frozen base unchanged bit for bit; exports
-that PEFT and transformers load with the trained logits; adapter-only checkpoints that resume exactly
-(also at another world size and strategy) and refuse another base; modules_to_save and init_from."""
+accumulation split (also with activation checkpointing, HSDP, auto); the frozen base unchanged bit
+for bit, without gradients or optimizer state; exports (final and periodic) that PEFT and transformers load
+with the trained logits; adapter-only checkpoints that resume exactly (also at another world size and
+strategy) and refuse another base; modules_to_save and init_from; MFU counting weight gradients of the
+adapters only."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -12,10 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from peft import PeftModel, get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 
 from conftest import EXPORT_LOGITS, RECIPE, TINY, launch, losses, losses_by_step, run_recipe, run_side_by_side
-from llmtrain import lora
+from llmtrain import lora, metrics
 from llmtrain.config import ConfigError, load_config
 from llmtrain.model import build_meta_model, load_model_config, load_tokenizer
 from test_export import assert_export_matches
@@ -23,9 +28,11 @@ from test_export import assert_export_matches
 TOL = 2e-5
 SPLITS = {  # name: (ranks, micro, accum, overrides, script); global batch 4 rows in each
     "none": (1, 4, 1, ("parallel.strategy=none", "checkpoint.every_steps=2"), EXPORT_LOGITS),
-    "ddp": (2, 1, 2, ("parallel.strategy=ddp",), RECIPE),
-    "fsdp": (2, 2, 1, ("parallel.strategy=fsdp",), EXPORT_LOGITS),
+    "auto": (2, 1, 2, ("parallel.strategy=auto",), RECIPE),  # a tiny base: auto picks ddp
+    "fsdp": (2, 2, 1, ("parallel.strategy=fsdp", "checkpoint.every_steps=2", "checkpoint.export_every_steps=2"),
+             EXPORT_LOGITS),
     "fsdp2_ac": (2, 1, 2, ("parallel.strategy=fsdp2", "parallel.activation_checkpointing=true"), EXPORT_LOGITS),
+    "hsdp": (2, 2, 1, ("parallel.strategy=fsdp2", "parallel.replicate=2"), RECIPE),  # 2 replicas x 1 shard
 }
 
 
@@ -57,7 +64,8 @@ def lora_runs(tmp_path_factory, base) -> dict[str, Path]:
     runs["modules_to_save"] = (root / "modules_to_save", 2, lora_args(base, *MODULES_TO_SAVE), EXPORT_LOGITS)
     runs["bf16_base"] = (root / "bf16_base", 2, lora_args(base, *BF16_BASE), RECIPE)
     results = run_side_by_side(runs, at_once=len(runs))
-    assert re.search(r"lora: trainable \S+K of \S+K \(\d+\.\d\d%\)", results["none"].stdout), results["none"].stdout
+    for name, (out, *_) in runs.items():
+        (out / "stdout.txt").write_text(results[name].stdout)
     return {name: out for name, (out, *_) in runs.items()}
 
 
@@ -67,6 +75,23 @@ def test_lora_losses_match_across_strategies_ranks_and_accumulation(lora_runs):
     assert len(ref) == 4 and ref[-1] < ref[0], ref  # the adapters learn
     for name in SPLITS:
         assert losses(lora_runs[name]) == pytest.approx(ref, abs=TOL), name
+    assert "strategy ddp (auto: " in (lora_runs["auto"] / "stdout.txt").read_text()
+
+
+@pytest.mark.slow
+def test_lora_mfu_counts_weight_gradients_of_the_trained_parameters_only(lora_runs, base):
+    """The logged model FLOPs are 4N + 2 N_trained + attention (llmtrain/metrics.py), N_trained the adapters."""
+    cfg = load_config(TINY, lora_args(base))
+    model_config = load_model_config(cfg.model, load_tokenizer(str(base), False))
+    model = lora.apply(build_meta_model(model_config, cfg.model), cfg.lora)
+    params = {id(p): p for p in model.parameters()}.values()
+    n, trained = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+    stdout = (lora_runs["none"] / "stdout.txt").read_text()
+    assert re.search(r"lora: trainable \S+K of \S+K \(\d+\.\d\d%\)", stdout), stdout
+    logged = float(re.search(r"model FLOPs: (\S+) GFLOP per token", stdout).group(1)) * 1e9
+    full = metrics.model_flops_per_token(model_config, n, cfg.data.seq_len)
+    expected = metrics.model_flops_per_token(model_config, n, cfg.data.seq_len, trained)
+    assert expected == full - 2 * (n - trained) and logged == pytest.approx(expected, rel=1e-3), (logged, expected)
 
 
 @pytest.mark.slow
@@ -80,6 +105,15 @@ def test_lora_base_unchanged_and_exports_give_trained_logits(lora_runs, base, na
     adapter = load_file(out / "adapter" / "adapter_model.safetensors")
     assert len(adapter) == 2 * 7 * 2  # lora_A and lora_B of 7 linear layers x 2 decoder layers: complete
     assert all(t.abs().sum() > 0 for k, t in adapter.items() if "lora_B" in k)  # started at zero, trained
+    # At the optimizer step: gradients for trained parameters only (FSDP1 use_orig_params: a rank's empty shard of
+    # one has none), every one on some rank; the optimizer holds exactly the trained parameters.
+    ranks = [json.loads(f.read_text()) for f in sorted(out.glob("grads_rank*.json"))]
+    assert len(ranks) == (1 if name == "none" else 2)
+    trained = set(ranks[0]["trained"])
+    assert all(lora.is_adapter(k) for k in trained) and len(trained) == len(adapter)
+    for rank in ranks:
+        assert set(rank["with_grad"]) <= trained and rank["optimizer_holds_trained"], rank
+    assert set().union(*(r["with_grad"] for r in ranks)) == trained
     if name != "none":  # the sharded ones: merged in output_dir/hf and base + adapter via PEFT
         assert_export_matches(out, lora_base=base)
 
@@ -145,6 +179,10 @@ def test_lora_bad_settings_name_the_key(tmp_path, base):
     with pytest.raises(ConfigError, match=r"lora.target_modules: \['qkv'\] match no linear layer .*'down_proj', "
                                           r"'gate_proj'"):
         lora.apply(model, cfg.lora)
+    for tied in ("embed_tokens", "lm_head"):  # the tiny base ties its embeddings: refused before any work
+        with pytest.raises(ConfigError, match=rf"lora.modules_to_save: \['{tied}'\] is tied: model.embed_tokens and "
+                                              r"lm_head share one weight .* untie the base first"):
+            lora.apply(model, load(f"lora.modules_to_save=[{tied}]").lora)
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 8}')
@@ -167,17 +205,28 @@ def test_lora_bf16_base_trains_close_to_fp32(lora_runs):
         "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].dtype == torch.float32
 
 
-def test_lora_converter_matches_the_exports(tmp_path, lora_runs):
-    """step_4 of the 1-process run, converted offline (adapter + merged onto model.path's base), equals the
-    exports the run wrote at its end (step 4), tensor for tensor."""
-    run = lora_runs["none"]
-    res = launch(["-m", "llmtrain.convert", run / "checkpoints" / "step_4", tmp_path], torchrun=False, timeout=120)
+@pytest.mark.slow
+def test_lora_periodic_exports_match_the_converter_and_the_final_export(tmp_path, lora_runs, base):
+    """checkpoint.export_every_steps=2, 2 ranks of fsdp: adapter/step_2 and hf/step_2 equal, tensor for tensor,
+    what the converter makes offline (one process, onto model.path's base) from checkpoints/step_2;
+    step_4 (= max_steps) equals the final export; PEFT's adapter/step_2 on the base gives hf/step_2's logits."""
+    run = lora_runs["fsdp"]
+    res = launch(["-m", "llmtrain.convert", run / "checkpoints" / "step_2", tmp_path], torchrun=False, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
-    for sub, name in (("adapter", "adapter_model.safetensors"), ("hf", "model.safetensors")):
-        converted, exported = load_file(tmp_path / sub / name), load_file(run / sub / name)
-        assert converted.keys() == exported.keys(), sub
-        for key, tensor in exported.items():
-            assert torch.equal(converted[key], tensor), (sub, key)
+    for sub, name in (("adapter", lora.ADAPTER_WEIGHTS), ("hf", "model.safetensors")):
+        for got, want in ((tmp_path / sub, run / sub / "step_2"), (run / sub / "step_4", run / sub)):
+            got, want = load_file(got / name), load_file(want / name)
+            assert got.keys() == want.keys(), sub
+            for key, tensor in want.items():
+                assert torch.equal(got[key], tensor), (sub, key)
+    probe = load_file(run / "probe.safetensors")
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), run / "adapter" / "step_2")
+    assert get_peft_model_state_dict(adapted).keys() == load_file(run / "adapter" / "step_2" / lora.ADAPTER_WEIGHTS
+                                                                  ).keys()  # none missing or unexpected
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(run / "hf" / "step_2")(input_ids=probe["input_ids"]).logits
+        assert (adapted(input_ids=probe["input_ids"]).logits - merged).abs().max() < 1e-5
+    assert (merged - probe["logits"]).abs().max() > 1e-3  # step 2's model, not the final one
 
 
 def test_auto_strategy_counts_only_trained_state():

@@ -1,6 +1,7 @@
 """train.loss_impl: the chunked loss gives the full-logits loss and gradients (in-process on tiny models:
-tied and untied embeddings, Gemma 2's final logit soft-capping, ignored positions and rows), refuses a
-model whose logits it cannot reproduce, and matches the reference run under FSDP1/FSDP2 in many chunks."""
+tied and untied embeddings, Gemma 2's final logit soft-capping, ignored positions and rows), and so do its
+per-token log-probs under a DPO-style weighted sum; it refuses a model whose logits it cannot reproduce,
+and matches the reference run under FSDP1/FSDP2 in many chunks."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from transformers import AutoModelForCausalLM, CohereConfig, Gemma2Config, Llama
 from conftest import losses, run_side_by_side, RECIPE
 from llmtrain.config import ConfigError
 from llmtrain.data.formats import IGNORE
-from llmtrain.loss import TokenLoss, check, token_loss_sum
+from llmtrain.loss import TokenLoss, check, token_logps, token_loss_sum
 
 VOCAB, SEQ = 96, 12
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -41,11 +42,14 @@ def loss_and_grads(model, fn) -> tuple[torch.Tensor, dict]:
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("config", [
+CONFIGS = pytest.mark.parametrize("config", [
     LlamaConfig(**SMALL, tie_word_embeddings=True),
     LlamaConfig(**SMALL, tie_word_embeddings=False),
     Gemma2Config(**SMALL, head_dim=8, final_logit_softcapping=0.5, tie_word_embeddings=True),
 ], ids=["llama-tied", "llama-untied", "gemma2-softcap"])
+
+
+@CONFIGS
 def test_chunked_matches_full_loss_and_gradients(config):
     model, b = tiny(config), batch()
     chunked = TokenLoss("chunked", model, torch.device("cpu"), chunk_tokens=5)  # 16 trained tokens: 4 chunks
@@ -60,6 +64,33 @@ def test_chunked_matches_full_loss_and_gradients(config):
     # the model is left as it was: no hook, its own loss function
     out = model(input_ids=b["input_ids"], labels=b["input_ids"])
     assert out.logits.shape == (3, SEQ, VOCAB) and torch.isfinite(out.loss)
+
+
+@CONFIGS
+def test_chunked_token_logps_match_full_logps_and_gradients(config):
+    """DPO's use: per-token log-probs whose downstream gradient (here random weights, through a nonlinearity
+    as DPO's log-sigmoid of row sums) is known only after the forward; and the no-grad reference path."""
+    model, b = tiny(config), batch()
+    chunked = TokenLoss("chunked", model, torch.device("cpu"), chunk_tokens=5)
+    weights = torch.randn(15, generator=torch.Generator().manual_seed(2))  # one per trained token
+
+    def weighted(logps: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.logsigmoid((weights * logps).sum() / 15) * 15
+
+    full = TokenLoss("full", model, torch.device("cpu"))
+    want, want_grads = loss_and_grads(model, lambda: weighted(full.token_logps(model, b)))
+    got, grads = loss_and_grads(model, lambda: weighted(chunked.token_logps(model, b)))
+    assert got.item() == pytest.approx(want.item(), abs=1e-5)
+    for name, g in want_grads.items():
+        assert (grads[name] - g).abs().max().item() < 1e-5, name
+    full_logps = full.token_logps(model, b)
+    assert full_logps.shape == (15,) and torch.equal(full_logps, token_logps(model(
+        input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False).logits, b["labels"]))
+    assert (chunked.token_logps(model, b) - full_logps).abs().max().item() < 1e-5
+    with torch.no_grad():
+        assert (chunked.token_logps(model, b) - full_logps).abs().max().item() < 1e-5
+        empty = {**b, "labels": torch.full_like(b["labels"], IGNORE)}  # eval's filler batch: nothing trained
+        assert chunked.token_logps(model, empty).shape == (0,)
 
 
 def test_unreproduced_logit_transform_is_refused():

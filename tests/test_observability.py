@@ -53,6 +53,13 @@ def test_flops_per_token_formula():
     # A head_dim that is not hidden/heads: the attention term uses heads x head_dim.
     wide = LlamaConfig(tie_word_embeddings=True, head_dim=32, **kw)
     assert m.model_flops_per_token(wide, 10_000, 32) == 6 * 10_000 + 12 * 3 * (4 * 32) * 32
+    # LoRA: activation gradients through all N, weight gradients for the trained 500 only; the frozen untied
+    # input embedding still does no arithmetic.
+    assert m.model_flops_per_token(tied, 10_000, 32, 500) == 4 * 10_000 + 2 * 500 + 12 * 3 * 64 * 32
+    assert m.model_flops_per_token(untied, 10_000, 32, 500) == 4 * (10_000 - 100 * 64) + 2 * 500 + 12 * 3 * 64 * 32
+    # Llama-3.1-8B with r=16 on all linear layers (42M trained): two thirds of full fine-tuning's matmul FLOPs.
+    lora = m.flops_per_token(n, layers, hidden, seq, vocab * hidden, 41_943_040)
+    assert lora - 12 * layers * hidden * seq == pytest.approx(4 / 6 * (expected - 12 * layers * hidden * seq), rel=0.01)
 
 
 @pytest.mark.parametrize("name,dtype,peak", [

@@ -366,18 +366,23 @@ def make_steps(built: Built, micro: int, accum: int, world_size: int, rank: int,
     return MapSteps(built.train, micro, accum, world_size, rank, seed, position.get("samples_seen", 0), built.pad_id)
 
 
-def eval_batches(val, micro: int, world_size: int, rank: int, max_batches: int) -> Iterator[dict[str, torch.Tensor]]:
-    """This rank's validation micro-batches. Every rank yields the same number of batches (a rank
-    with fewer rows gets an all-ignored batch), since FSDP forwards are collectives."""
+def eval_batches(val, micro: int, world_size: int, rank: int, max_batches: int,
+                 pad_id: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """This rank's validation micro-batches (of pairs, collated with pad_id, when Built.pad_id is set). Every
+    rank yields the same number of batches (a rank with fewer rows gets an all-ignored batch), since FSDP
+    forwards are collectives."""
     n_batches = math.ceil(len(val) / (micro * world_size))
     if max_batches:
         n_batches = min(n_batches, max_batches)
     indices = list(range(rank, len(val), world_size))
+    def collate(rows: list[int]) -> dict[str, torch.Tensor]:
+        return val[rows] if pad_id is None else _collate_pairs([val[i] for i in rows], pad_id)
+
     for b in range(n_batches):
         chunk = indices[b * micro:(b + 1) * micro]
         if chunk:
-            yield val[chunk]
+            yield collate(chunk)
         else:
-            dummy = val[[0]]
+            dummy = collate([0])
             dummy["labels"] = torch.full_like(dummy["labels"], IGNORE)
             yield dummy

@@ -35,6 +35,7 @@ class Run:
     peak_lr: float
     global_batch: int
     n_params: int
+    n_trained: int  # parameters with gradients (fewer than n_params with LoRA)
     ckpt: checkpoint.CheckpointManager
     state: checkpoint.TrainState
     metrics: MetricsLogger
@@ -45,7 +46,8 @@ class Run:
 def build_model(cfg: Config, env: distributed.DistEnv, tokenizer, model_config, resuming: bool):
     """Meta model -> LoRA -> plan -> parallelize -> each rank reads only its own slices of the weights
     (skipped when resuming a full fine-tune: the checkpoint holds every weight; LoRA's holds only adapters).
-    Returns (model, plan, mesh, number of parameters, no-decay parameter names, LoRA's parameter line)."""
+    Returns (model, plan, mesh, number of parameters, of trained ones, no-decay parameter names, LoRA's
+    parameter line)."""
     model = model_lib.build_meta_model(model_config, cfg.model)
     # LoRA: on the meta model, so that every strategy wraps the adapters with their layer. adapters: their init.
     model, adapters = lora.prepare(model, cfg.lora, cfg.train.seed)
@@ -57,7 +59,7 @@ def build_model(cfg: Config, env: distributed.DistEnv, tokenizer, model_config, 
     model = parallelize.parallelize(model, cfg.parallel, plan, mesh, env.device)
     if not resuming or cfg.lora.enabled:
         model_lib.load_weights(model, cfg.model, model_config, cfg.train.seed, adapters)
-    return model, plan, mesh, n_params, no_decay, params_line
+    return model, plan, mesh, n_params, n_trained, no_decay, params_line
 
 
 def build(cfg: Config, env: distributed.DistEnv) -> Run:
@@ -72,8 +74,8 @@ def build(cfg: Config, env: distributed.DistEnv) -> Run:
     model_config = model_lib.load_model_config(cfg.model, tokenizer)
     model_lib.check_seq_len(model_config, cfg.data.seq_len)
     start = checkpoint.choose_resume(cfg.checkpoint, cfg.output_dir)  # verified; corrupt ones are skipped
-    model, plan, mesh, n_params, no_decay, params_line = build_model(cfg, env, tokenizer, model_config,
-                                                                     start is not None)
+    model, plan, mesh, n_params, n_trained, no_decay, params_line = build_model(cfg, env, tokenizer, model_config,
+                                                                                 start is not None)
     model.train()
     distributed.seed_everything(cfg.train.seed + env.rank)  # per-rank dropout; the init above is shared
 
@@ -101,7 +103,7 @@ def build(cfg: Config, env: distributed.DistEnv) -> Run:
     if env.is_main:
         (Path(cfg.output_dir) / "config.yaml").write_text(to_yaml(cfg))
     return Run(cfg, env, tokenizer, model_config, model, plan, mesh, opt, parallelize.grad_scaler(plan, env.device),
-               peak, global_batch, n_params, ckpt, state, metrics, token_loss, preemption)
+               peak, global_batch, n_params, n_trained, ckpt, state, metrics, token_loss, preemption)
 
 
 def data_steps(run: Run, pairs: bool = False):

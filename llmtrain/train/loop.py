@@ -22,7 +22,8 @@ def loop(run: Run, steps: Iterator[list[dict]], step: Callable[[list[dict]], Ste
     """Train from run.state.step to train.max_steps; `evaluate(step)` at eval.every_steps. Returns the model."""
     cfg, env, state, metrics, ckpt = run.cfg, run.env, run.state, run.metrics, run.ckpt
     # Throughput, MFU, step time and memory over the steps between two logged steps (metrics.py).
-    perf = Throughput(metrics_lib.model_flops_per_token(run.model_config, run.n_params, cfg.data.seq_len),
+    n_trained = run.n_trained if cfg.lora.enabled else None  # LoRA: weight gradients for the adapters only
+    perf = Throughput(metrics_lib.model_flops_per_token(run.model_config, run.n_params, cfg.data.seq_len, n_trained),
                       env.world_size, env.device, run.tokenizer.pad_token_id,
                       *metrics_lib.device_peak_tflops(env.device, cfg.parallel.mixed_precision, cfg.log.peak_tflops))
     metrics.info(perf.describe())
