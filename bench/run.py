@@ -36,6 +36,9 @@ The 1-minute load average before and after each benchmark is recorded (the machi
               data/demo/train.jsonl vs the demo's training consumption (tokens/s). Target >= 10x.
   checkpoint  DCP save / load through CheckpointManager and the HF export of an ~106M-parameter model
               on 2 ranks (bench/ckpt_probe.py) vs `dd` of the same size in the same directory.
+  dpo_reference  recipes/dpo.py's peak host memory per rank with dpo.precompute_reference vs the live
+              frozen reference: full fine-tuning, fsdp2, 2 ranks, ~53M parameters (bench/dpo_memory.py).
+              Target <= 0.7x.
 
 --quick makes every benchmark tiny (a smoke run: the figures mean little). The GPU benchmark is a
 separate script, bench/gpu.sh (see its header).
@@ -67,7 +70,7 @@ BENCH = REPO / "bench"
 DEMO = REPO / "configs" / "demo.yaml"
 SHAPE_32K = BENCH / "configs" / "llama-32k.yaml"  # real proportions (Llama 2 / Mistral), scaled down
 SHAPE_128K = BENCH / "configs" / "llama-128k.yaml"  # Llama 3's vocabulary, seq 2048
-NAMES = ["overhead", "loss", "trainer", "trl", "dpo", "memory", "data", "checkpoint"]
+NAMES = ["overhead", "loss", "trainer", "trl", "dpo", "dpo_reference", "memory", "data", "checkpoint"]
 TIMEOUT = 600
 
 
@@ -568,7 +571,21 @@ def bench_checkpoint(ctx: Ctx) -> dict:
                     "dd_write_2streams_s": two[0], "dd_mib": mib}}
 
 
-BENCHES = {"overhead": bench_overhead, "loss": bench_loss, "trainer": bench_trainer, "trl": bench_trl, "dpo": bench_dpo, "memory": bench_memory, "data": bench_data,
+# -- 6. DPO: precomputed reference log-probs vs the live reference -----------------------------------
+
+def bench_dpo_reference(ctx: Ctx) -> dict:
+    import dpo_memory
+
+    res = dpo_memory.measure(ctx.dir("dpo_reference"), quick=ctx.quick)
+    return {"title": "DPO: precomputed reference log-probs vs the live frozen reference, peak memory",
+            "table": res["table"],
+            "ratios": [ratio("dpo: peak host memory per rank, precompute_reference / live reference", res["ratio"],
+                             0.7, "<=", "full fine-tuning, fsdp2, 2 ranks (bench/dpo_memory.py)")],
+            "raw": res["raw"]}
+
+
+BENCHES = {"overhead": bench_overhead, "loss": bench_loss, "trainer": bench_trainer, "trl": bench_trl, "dpo": bench_dpo,
+           "dpo_reference": bench_dpo_reference, "memory": bench_memory, "data": bench_data,
            "checkpoint": bench_checkpoint}
 
 

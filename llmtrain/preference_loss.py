@@ -48,6 +48,10 @@ class DPOSection:
     """simpo: target reward margin."""
     sft_weight: float = 0.0
     """Adds sft_weight x the chosen responses' mean token NLL to the loss (keeps their likelihood up)."""
+    precompute_reference: bool = False
+    """sigmoid, ipo: score every training pair with the reference once before training, cached next to the
+    tokenized data and reused by later runs; training then holds no reference model (less memory, no reference
+    forward per step)."""
 
 
 @dataclass
@@ -56,7 +60,8 @@ class DPOConfig(Config):
     dpo: DPOSection = field(default_factory=DPOSection)
 
 
-def check(loss: str, beta: float, label_smoothing: float, gamma: float, sft_weight: float) -> None:
+def check(loss: str, beta: float, label_smoothing: float, gamma: float, sft_weight: float,
+          precompute_reference: bool) -> None:
     """Set-up checks, naming the dpo.* keys."""
     if loss not in LOSSES:
         raise ConfigError(f"dpo.loss: {loss!r} is not a valid choice; choose one of {', '.join(LOSSES)}")
@@ -70,6 +75,9 @@ def check(loss: str, beta: float, label_smoothing: float, gamma: float, sft_weig
         raise ConfigError("dpo.gamma (the target reward margin) applies to dpo.loss=simpo only")
     if sft_weight < 0:
         raise ConfigError("dpo.sft_weight must be >= 0")
+    if precompute_reference and loss in REFERENCE_FREE:
+        raise ConfigError(f"dpo.precompute_reference: dpo.loss={loss} uses no reference model, so there is nothing "
+                          "to precompute; set dpo.precompute_reference=false")
 
 
 def sequence_logps(flat_logps: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a 
 
 import torch  # noqa: E402
 
-from llmtrain import data, distributed, lora, model as model_lib, parallelize, train as trainer  # noqa: E402
+from llmtrain import data, distributed, lora, model as model_lib, parallelize, reference_cache  # noqa: E402
+from llmtrain import train as trainer  # noqa: E402
 from llmtrain import preference_loss as pl  # noqa: E402
 from llmtrain.preference_loss import DPOConfig  # noqa: E402
 from llmtrain.config import ConfigError  # noqa: E402
@@ -36,6 +37,8 @@ The data are pairs (data.format: preference): {"prompt", "chosen", "rejected"} a
 messages. model.path is the model to tune, usually a supervised fine-tune (configs/demo-dpo.yaml starts
 from the SFT demo's export, outputs/demo/hf). With full fine-tuning the reference is a frozen copy of
 model.path; with lora.enabled it is the same model with its adapters switched off; dpo.loss=simpo needs none.
+dpo.precompute_reference=true scores every pair with it once before training (cached next to the tokenized
+data, reused by later runs) and frees it.
 
 Writes to output_dir what recipes/finetune.py writes; metrics.jsonl adds TRL's names: rewards/chosen,
 rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected; with eval.every_steps,
@@ -52,11 +55,15 @@ def check(cfg: DPOConfig) -> None:
                           "demo's export: run torchrun --standalone --nproc_per_node=2 recipes/finetune.py "
                           "--config configs/demo.yaml first)") from None
     d = cfg.dpo
-    pl.check(d.loss, d.beta, d.label_smoothing, d.gamma, d.sft_weight)
+    pl.check(d.loss, d.beta, d.label_smoothing, d.gamma, d.sft_weight, d.precompute_reference)
     formats = {s.format for s in cfg.data.sources} if cfg.data.sources else {cfg.data.format}
     if formats != {"preference"}:
         raise ConfigError(f"data.format: recipes/dpo.py trains on pairs: set data.format=preference (got "
                           f"{', '.join(sorted(formats))})")
+    if d.precompute_reference and cfg.eval.every_steps:
+        raise ConfigError("dpo.precompute_reference covers the training pairs only, and eval.every_steps scores "
+                          "the validation pairs with the reference; set eval.every_steps=0 or "
+                          "dpo.precompute_reference=false")
     if cfg.train.loss_impl == "liger":
         raise ConfigError("train.loss_impl: recipes/dpo.py takes chunked (the default) or full; liger's fused "
                           "kernel yields only a summed loss, not the per-token log-probs DPO needs")
@@ -71,21 +78,32 @@ def pair_logps(model: torch.nn.Module, token_loss: TokenLoss, batch: dict) -> tu
 def train(cfg: DPOConfig, env: distributed.DistEnv) -> torch.nn.Module:
     run = trainer.build(cfg, env)
     model, plan, d = run.model, run.plan, cfg.dpo
-    reference = None  # full fine-tuning: a frozen copy; LoRA: the policy with its adapters off
-    if d.loss not in pl.REFERENCE_FREE:
-        reference = model if cfg.lora.enabled else trainer.build_frozen(cfg, env, run.model_config, plan)
-    ref_loss = run.token_loss if reference in (None, model) else TokenLoss(  # a frozen copy: its own output layer
-        cfg.train.loss_impl, reference, env.device, cfg.train.loss_chunk_tokens)
-    run.metrics.info(f"dpo: loss {d.loss}, beta {d.beta:g}, reference "
-                     + ("none" if reference is None else "adapters off" if cfg.lora.enabled else "frozen copy"))
-    built, steps = trainer.data_steps(run, pairs=True)
 
-    def reference_logps(batch: dict) -> torch.Tensor | None:
-        if reference is None:
-            return None
-        off = lora.adapters_disabled(model) if cfg.lora.enabled else contextlib.nullcontext()
-        with torch.no_grad(), off, parallelize.autocast(plan, env.device):
-            return pair_logps(reference, ref_loss, batch)[0]
+    def live_reference() -> reference_cache.Scorer:  # full fine-tuning: a frozen copy; LoRA: adapters off
+        reference = model if cfg.lora.enabled else trainer.build_frozen(run)
+        # A frozen copy gets its own output layer's TokenLoss, made here so that it is freed with the copy.
+        ref_loss = run.token_loss if reference is model else TokenLoss(
+            cfg.train.loss_impl, reference, env.device, cfg.train.loss_chunk_tokens)
+
+        def reference_logps(batch: dict) -> torch.Tensor:
+            off = lora.adapters_disabled(model) if cfg.lora.enabled else contextlib.nullcontext()
+            with torch.no_grad(), off, parallelize.autocast(plan, env.device):
+                return pair_logps(reference, ref_loss, batch)[0]
+        return reference_logps
+
+    has_reference = d.loss not in pl.REFERENCE_FREE
+    reference_logps = live_reference() if has_reference and not d.precompute_reference else None
+    run.metrics.info(f"dpo: loss {d.loss}, beta {d.beta:g}, reference "
+                     + ("none" if not has_reference else "adapters off" if cfg.lora.enabled else "frozen copy")
+                     + (", precomputed" if d.precompute_reference else ""))
+    built, steps = trainer.data_steps(run, pairs=True)
+    if d.precompute_reference:  # scored once (or read back) here; no reference model during training
+        where = reference_cache.directory(
+            built.train, Path(cfg.output_dir), seq_len=cfg.data.seq_len, compute=cfg.parallel.mixed_precision,
+            weights=lora.fingerprint(cfg.model.path, cfg.model.config, cfg.train.seed)["fingerprint"],
+            weights_dtype=cfg.lora.base_dtype if cfg.lora.enabled else "fp32")
+        reference_logps = reference_cache.precompute(where, len(built.train), lambda p: data.pairs_batch(built, p),
+                                                     cfg.train.micro_batch_size, live_reference, env, run.metrics.info)
 
     def step(batches: list[dict]) -> StepResult:
         batches = [{k: v.to(env.device, non_blocking=True) for k, v in b.items()} for b in batches]
@@ -95,7 +113,7 @@ def train(cfg: DPOConfig, env: distributed.DistEnv) -> torch.nn.Module:
         loss_sum = torch.zeros((), device=env.device)
         summed = torch.zeros(len(pl.METRICS), device=env.device)
         for i, batch in enumerate(batches):
-            ref = reference_logps(batch)
+            ref = reference_logps(batch) if reference_logps is not None else None
             with parallelize.grad_sync(model, plan, enabled=i == len(batches) - 1):
                 with parallelize.autocast(plan, env.device):
                     logps, lengths = pair_logps(model, run.token_loss, batch)
@@ -113,7 +131,8 @@ def train(cfg: DPOConfig, env: distributed.DistEnv) -> torch.nn.Module:
     def evaluate(at_step: int) -> None:
         def logps(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
             with parallelize.autocast(plan, env.device):
-                return *pair_logps(model, run.token_loss, batch), reference_logps(batch)
+                return (*pair_logps(model, run.token_loss, batch),
+                        reference_logps(batch) if reference_logps is not None else None)
 
         batches = data.eval_batches(built.val, cfg.train.micro_batch_size, env.world_size, env.rank,
                                     cfg.eval.max_batches, built.pad_id)

@@ -4,10 +4,13 @@ same weights and batch (DPO with label smoothing and an SFT term; IPO with a LoR
 is the base with its adapters off; SimPO without a reference); the same losses for ddp / fsdp / fsdp2 on
 2 ranks, micro-batches or accumulation, chunked log-probs (the default) or full logits (ddp); the val_*
 metrics are the same formulas on the held-out pairs, on 1 or 2 ranks; exact resume on another strategy;
-an export transformers loads."""
+an export transformers loads; precomputed reference
+log-probs (dpo.precompute_reference) give the live reference's losses, are reused at another world size,
+and a damaged cache piece is computed again."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -28,6 +31,7 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
            "logps/rejected")
 SIGMOID = ("dpo.loss=sigmoid", "dpo.beta=0.5", "dpo.label_smoothing=0.1", "dpo.sft_weight=0.5")
 SIMPO = ("dpo.loss=simpo", "dpo.beta=2.0", "dpo.gamma=0.5", "dpo.label_smoothing=0.1", "train.max_steps=1")
+PRECOMPUTE = "dpo.precompute_reference=true"
 LORA_IPO = ("dpo.loss=ipo", "dpo.beta=0.5", "lora.enabled=true", "lora.r=4", "lora.alpha=8", "lora.dropout=0",
             "train.max_steps=1")
 
@@ -63,6 +67,8 @@ def val_pairs(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def dpo_runs(tmp_path_factory, base, lora_init, val_pairs) -> dict[str, Path]:  # noqa: F811
     root = tmp_path_factory.mktemp("dpo")
+    # A copy of the pairs has a datasets cache of its own: the precomputed reference log-probs start absent.
+    pairs = shutil.copy(PAIRS, root / "pairs.jsonl")
     val = (f"data.val_path={val_pairs}", "eval.every_steps=3")  # at the last step
     runs = {  # name: (ranks, overrides); global batch 4 pairs in each
         "none": (1, ("parallel.strategy=none", "checkpoint.every_steps=2", *val, *SIGMOID)),
@@ -70,11 +76,15 @@ def dpo_runs(tmp_path_factory, base, lora_init, val_pairs) -> dict[str, Path]:  
                     "train.loss_impl=full", *SIGMOID)),
         "fsdp": (2, ("parallel.strategy=fsdp", "train.micro_batch_size=2", *val, *SIGMOID)),
         "fsdp2": (2, ("parallel.strategy=fsdp2", "train.micro_batch_size=1", "train.grad_accum_steps=2", *SIGMOID)),
+        "fsdp2_pre": (2, ("parallel.strategy=fsdp2", "train.micro_batch_size=2", f"data.path={pairs}", PRECOMPUTE,
+                          *SIGMOID)),
         "simpo": (1, ("parallel.strategy=none", *val, *SIMPO)),
         "lora_ipo": (1, ("parallel.strategy=none", f"lora.init_from={lora_init}", *LORA_IPO)),
     }
-    run_side_by_side({name: (root / name, ranks, dpo_args(base, *extra), DPO)
-                      for name, (ranks, extra) in runs.items()}, at_once=3)
+    results = run_side_by_side({name: (root / name, ranks, dpo_args(base, *extra), DPO)
+                                for name, (ranks, extra) in runs.items()}, at_once=3)
+    for name, res in results.items():
+        (root / name / "stdout.log").write_text(res.stdout)
     return {name: root / name for name in runs}
 
 
@@ -192,9 +202,48 @@ def test_dpo_resumes_exactly_elsewhere_and_exports(tmp_path, dpo_runs, base):  #
     assert not torch.equal(exported.model.norm.weight, original.model.norm.weight)  # trained, not the base
 
 
+def assert_same_metrics(got: Path, want: Path, steps: int = 3) -> None:
+    """The loss and every reward metric of each step, < 1e-5."""
+    pairs = list(zip(read_metrics(got), read_metrics(want)))
+    assert len(pairs) == steps
+    for g, w in pairs:
+        for key in ("loss", *METRICS):
+            assert g[key] == pytest.approx(w[key], abs=1e-5), (g["step"], key)
+
+
+@pytest.mark.slow
+def test_dpo_precomputed_reference_equals_the_live_one(dpo_runs):
+    """2 ranks, fsdp2: the reference scores every pair once before training (another micro-batch split than
+    the live run's), then is freed; each step's loss and metrics are the live frozen reference's."""
+    assert "reference log-probs: computed 1000 pairs" in (dpo_runs["fsdp2_pre"] / "stdout.log").read_text()
+    assert_same_metrics(dpo_runs["fsdp2_pre"], dpo_runs["fsdp2"])
+
+
+@pytest.mark.slow
+def test_dpo_precomputed_reference_is_reused_and_a_damaged_piece_recomputed(tmp_path, dpo_runs, base):  # noqa: F811
+    """One process reads the cache the fsdp2 run filled: a torn piece is computed again (not read), the others
+    are reused, and the losses are the live reference's; then a run finds the cache whole and builds no reference."""
+    log = (dpo_runs["fsdp2_pre"] / "stdout.log").read_text()
+    where = Path(re.search(r"reference log-probs: computed .*, cached in (\S+)", log).group(1))
+    pieces = sorted(where.glob("pairs-*.pt"))
+    assert len(pieces) == 4  # 1000 pairs, 256 a piece
+    torn = pieces[1]
+    torn.write_bytes(torn.read_bytes()[:300])
+    args = dpo_args(base, "parallel.strategy=none", f"data.path={dpo_runs['none'].parent / 'pairs.jsonl'}", PRECOMPUTE,
+                    *SIGMOID)
+    res = run_recipe(tmp_path / "torn", *args, script=DPO)
+    assert f"reference log-probs: {torn} is damaged" in res.stdout, res.stdout[-3000:]
+    assert "reference log-probs: computed 256 pairs" in res.stdout and "(744 reused)" in res.stdout
+    assert_same_metrics(tmp_path / "torn", dpo_runs["none"])
+    res = run_recipe(tmp_path / "whole", *args, "train.max_steps=1", script=DPO)
+    assert f"reference log-probs: reused {where} (1000 pairs)" in res.stdout, res.stdout[-3000:]
+    assert_same_metrics(tmp_path / "whole", dpo_runs["none"], steps=1)
+
+
 def test_dpo_bad_settings_name_the_key(tmp_path, base):  # noqa: F811
     cases = {("data.format=text",): "data.format=preference", ("train.loss_impl=liger",): "train.loss_impl",
-             ("model.path=outputs/nowhere/hf",): "recipes/finetune.py --config configs/demo.yaml"}
+             ("model.path=outputs/nowhere/hf",): "recipes/finetune.py --config configs/demo.yaml",
+             ("dpo.loss=simpo", PRECOMPUTE): "dpo.precompute_reference: dpo.loss=simpo uses no reference model"}
     for overrides, words in cases.items():
         args = [a for a in dpo_args(base) if not a.startswith(tuple(o.split("=")[0] + "=" for o in overrides))]
         res = run_recipe(tmp_path / "bad", *args, *overrides, check=False, torchrun=False, config=TINY, script=DPO)

@@ -269,11 +269,14 @@ def test_any_split_gives_the_loss_metrics_and_gradients_of_the_whole_batch(tok, 
 
 
 def test_loss_settings_are_checked_naming_the_key():
-    pl.check("simpo", 2.0, 0.1, 0.5, 0.0)
+    pl.check("simpo", 2.0, 0.1, 0.5, 0.0, False)
+    pl.check("ipo", 0.1, 0.0, 0.0, 0.0, True)
     for args, key in [(("dpo", 0.1, 0.0, 0.0, 0.0), "dpo.loss"), (("sigmoid", 0.0, 0.0, 0.0, 0.0), "dpo.beta"),
                       (("sigmoid", 0.1, 0.5, 0.0, 0.0), "dpo.label_smoothing"),
                       (("ipo", 0.1, 0.1, 0.0, 0.0), "dpo.label_smoothing"),
                       (("sigmoid", 0.1, 0.0, 0.5, 0.0), "dpo.gamma"),
                       (("sigmoid", 0.1, 0.0, 0.0, -1.0), "dpo.sft_weight")]:
         with pytest.raises(ConfigError, match=key):
-            pl.check(*args)
+            pl.check(*args, False)
+    with pytest.raises(ConfigError, match="dpo.precompute_reference"):  # simpo has no reference
+        pl.check("simpo", 2.0, 0.0, 0.0, 0.0, True)

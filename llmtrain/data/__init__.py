@@ -26,7 +26,7 @@ from llmtrain.data.sampling import GlobalOrderSampler, step_batches
 from llmtrain.data.sources import resolve_files
 
 __all__ = ["IGNORE", "GlobalOrderSampler", "step_batches", "resolve_files", "check", "build", "Built",
-           "StreamSteps", "MapSteps", "make_steps", "prepare_tokenizer"]
+           "StreamSteps", "MapSteps", "make_steps", "pairs_batch", "prepare_tokenizer"]
 
 PACK_BATCH = 1000  # examples packed together; the last row of each batch is padded
 
@@ -214,6 +214,10 @@ def _build(section: DataConfig, tokenizer, seed: int, rank: int, world_size: int
         train = _rows(examples, section, tokenizer, stats)
         if len(train) == 0:
             raise ConfigError(f"the training data yields no rows ({stats.summary()})")
+        if "chosen_ids" in train.column_names:
+            # Each training pair's position rides along in its batches: precomputed reference log-probs are
+            # looked up by it (llmtrain/reference_cache.py). Validation pairs have none: nothing of theirs is.
+            train = train.add_column("pair_index", list(range(len(train))))
         train = train.with_format("torch")
     if section.val_path:
         val_examples = _examples(section.val_path, sources(section)[0].format, "data.val_path", section, tokenizer,
@@ -282,8 +286,14 @@ def _collate(rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
 
 
 def _collate_pairs(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    return collate_pairs([Pair(r["prompt_ids"].tolist(), r["chosen_ids"].tolist(), r["rejected_ids"].tolist(), False)
-                          for r in rows], pad_id)
+    batch = collate_pairs([Pair(r["prompt_ids"].tolist(), r["chosen_ids"].tolist(), r["rejected_ids"].tolist(),
+                                False) for r in rows], pad_id)
+    return {**batch, "pair_index": torch.stack([r["pair_index"] for r in rows])} if "pair_index" in rows[0] else batch
+
+
+def pairs_batch(built: Built, positions: list[int]) -> dict[str, torch.Tensor]:
+    """The pairs at these positions of built.train, collated as a training micro-batch."""
+    return _collate_pairs([built.train[i] for i in positions], built.pad_id)
 
 
 class MapSteps:

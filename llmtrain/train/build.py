@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from llmtrain import attention, checkpoint, data, distributed, lock, lora, optim, parallelize, preflight
 from llmtrain import loss as loss_lib
@@ -28,6 +29,7 @@ class Run:
     model_config: object
     model: torch.nn.Module
     plan: parallelize.Plan
+    mesh: DeviceMesh  # the policy's: a frozen copy (build_frozen) is sharded on the same one
     opt: torch.optim.Optimizer
     scaler: object
     peak_lr: float
@@ -44,7 +46,8 @@ class Run:
 def build_model(cfg: Config, env: distributed.DistEnv, tokenizer, model_config, resuming: bool):
     """Meta model -> LoRA -> plan -> parallelize -> each rank reads only its own slices of the weights
     (skipped when resuming a full fine-tune: the checkpoint holds every weight; LoRA's holds only adapters).
-    Returns (model, plan, number of parameters, of trained ones, no-decay parameter names, LoRA's parameter line)."""
+    Returns (model, plan, mesh, number of parameters, of trained ones, no-decay parameter names, LoRA's
+    parameter line)."""
     model = model_lib.build_meta_model(model_config, cfg.model)
     # LoRA: on the meta model, so that every strategy wraps the adapters with their layer. adapters: their init.
     model, adapters = lora.prepare(model, cfg.lora, cfg.train.seed)
@@ -56,7 +59,7 @@ def build_model(cfg: Config, env: distributed.DistEnv, tokenizer, model_config, 
     model = parallelize.parallelize(model, cfg.parallel, plan, mesh, env.device)
     if not resuming or cfg.lora.enabled:
         model_lib.load_weights(model, cfg.model, model_config, cfg.train.seed, adapters)
-    return model, plan, n_params, n_trained, no_decay, params_line
+    return model, plan, mesh, n_params, n_trained, no_decay, params_line
 
 
 def build(cfg: Config, env: distributed.DistEnv) -> Run:
@@ -71,8 +74,8 @@ def build(cfg: Config, env: distributed.DistEnv) -> Run:
     model_config = model_lib.load_model_config(cfg.model, tokenizer)
     model_lib.check_seq_len(model_config, cfg.data.seq_len)
     start = checkpoint.choose_resume(cfg.checkpoint, cfg.output_dir)  # verified; corrupt ones are skipped
-    model, plan, n_params, n_trained, no_decay, params_line = build_model(cfg, env, tokenizer, model_config,
-                                                                          start is not None)
+    model, plan, mesh, n_params, n_trained, no_decay, params_line = build_model(cfg, env, tokenizer, model_config,
+                                                                                 start is not None)
     model.train()
     distributed.seed_everything(cfg.train.seed + env.rank)  # per-rank dropout; the init above is shared
 
@@ -99,8 +102,8 @@ def build(cfg: Config, env: distributed.DistEnv) -> Run:
         metrics.info(f"resumed at step {state.step} ({state.samples_seen} samples seen)")
     if env.is_main:
         (Path(cfg.output_dir) / "config.yaml").write_text(to_yaml(cfg))
-    return Run(cfg, env, tokenizer, model_config, model, plan, opt, parallelize.grad_scaler(plan, env.device), peak,
-               global_batch, n_params, n_trained, ckpt, state, metrics, token_loss, preemption)
+    return Run(cfg, env, tokenizer, model_config, model, plan, mesh, opt, parallelize.grad_scaler(plan, env.device),
+               peak, global_batch, n_params, n_trained, ckpt, state, metrics, token_loss, preemption)
 
 
 def data_steps(run: Run, pairs: bool = False):
@@ -128,15 +131,15 @@ def export(run: Run, step_dir: str) -> list[Path]:
     return [out]
 
 
-def build_frozen(cfg: Config, env: distributed.DistEnv, model_config, plan: parallelize.Plan) -> torch.nn.Module:
-    """A frozen copy of model.path (e.g. DPO's reference), sharded like the policy (fsdp, fsdp2), or whole on
-    each rank where the policy is replicated (ddp: nothing to synchronise without gradients); no gradients,
-    no optimizer state, in eval mode."""
-    model = model_lib.build_meta_model(model_config, cfg.model).requires_grad_(False)
+def build_frozen(run: Run) -> torch.nn.Module:
+    """A frozen copy of model.path (e.g. DPO's reference), sharded like the policy on its mesh (fsdp, fsdp2),
+    or whole on each rank where the policy is replicated (ddp: nothing to synchronise without gradients); no
+    gradients, no optimizer state, in eval mode."""
+    cfg, plan = run.cfg, run.plan
+    model = model_lib.build_meta_model(run.model_config, cfg.model).requires_grad_(False)
     if plan.strategy == "ddp":
         plan = dataclasses.replace(plan, strategy="none")
-    mesh = distributed.build_mesh(env, cfg.parallel.replicate)
-    model = parallelize.parallelize(model, cfg.parallel, plan, mesh, env.device)
-    model_lib.load_weights(model, cfg.model, model_config, cfg.train.seed)
+    model = parallelize.parallelize(model, cfg.parallel, plan, run.mesh, run.env.device)
+    model_lib.load_weights(model, cfg.model, run.model_config, cfg.train.seed)
     model_lib.check_initialized(model)
     return model.eval()
