@@ -284,18 +284,12 @@ def check_writable(output_dir: str) -> None:
         raise ConfigError(f"output_dir: cannot write to {output_dir}: {e.strerror or e}") from None
 
 
-def resume_path(section: CheckpointConfig, output_dir: str | Path) -> Path | None:
-    """The checkpoint that checkpoint.resume names, or None to start fresh."""
-    if section.resume == "never":
-        return None
-    if section.resume == "auto":
-        found = complete_checkpoints(Path(output_dir) / "checkpoints")
-        return found[-1][1] if found else None
-    path = Path(section.resume)
-    if not is_complete(path):
+def check_resume(section: CheckpointConfig) -> None:
+    """Before any process group: a checkpoint.resume path names a complete checkpoint (choose_resume then
+    verifies it, collectively)."""
+    if section.resume not in ("auto", "never") and not is_complete(Path(section.resume)):
         raise ConfigError(f"checkpoint.resume: {section.resume} is not a complete checkpoint "
                           f"(no {STATE_FILE} or .metadata); use auto, never or a checkpoints/step_<N> path")
-    return path
 
 
 class SaveError(RuntimeError):

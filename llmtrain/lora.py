@@ -104,13 +104,11 @@ def prepare(model: nn.Module, section: LoraConfig, seed: int) -> tuple[nn.Module
     return model, initial_adapters(model, section, seed)
 
 
-def check(section: LoraConfig, resume: Path | None, model_path: str | None, model_config: dict | None,
-          seed: int) -> None:
-    """Set-up checks: lora.init_from is a fitting PEFT adapter; a checkpoint to resume matches the base."""
+def check(section: LoraConfig) -> None:
+    """Set-up checks: lora.init_from is a fitting PEFT adapter (the checkpoint to resume is checked against
+    the base by check_resume, once it is chosen)."""
     if section.enabled:
         check_init_from(section)
-    if resume is not None:
-        check_resume(resume, section.enabled, model_path, model_config, seed)
 
 
 def describe(model: nn.Module) -> str:

@@ -74,6 +74,8 @@ def build(cfg: Config, env: distributed.DistEnv) -> Run:
     model_config = model_lib.load_model_config(cfg.model, tokenizer)
     model_lib.check_seq_len(model_config, cfg.data.seq_len)
     start = checkpoint.choose_resume(cfg.checkpoint, cfg.output_dir)  # verified; corrupt ones are skipped
+    if start is not None:  # a LoRA checkpoint holds no base: only LoRA onto the base it was trained on
+        lora.check_resume(start, cfg.lora.enabled, cfg.model.path, cfg.model.config, cfg.train.seed)
     model, plan, mesh, n_params, n_trained, no_decay, params_line = build_model(cfg, env, tokenizer, model_config,
                                                                                  start is not None)
     model.train()

@@ -50,8 +50,8 @@ def setup(args: argparse.Namespace, config_cls: type[Config] = Config,
     device, _ = distributed.pick_device(cfg.distributed, distributed.local_rank_from_env())
     parallelize.check(cfg.parallel, distributed.world_size_from_env(), device.type)
     checkpoint.check_writable(cfg.output_dir)
-    resume = checkpoint.resume_path(cfg.checkpoint, cfg.output_dir)
-    lora.check(cfg.lora, resume, cfg.model.path, cfg.model.config, cfg.train.seed)
+    checkpoint.check_resume(cfg.checkpoint)  # which checkpoint, verified, is build()'s choice (collective)
+    lora.check(cfg.lora)
     metrics_lib.check(cfg.log)
     loss_lib.check(cfg.train.loss_impl, device.type)
     return cfg
