@@ -40,9 +40,10 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
 
-    from llmtrain import checkpoint, distributed, model as model_lib, optim, parallelize
+    from llmtrain import checkpoint, distributed, optim, parallelize
+    from llmtrain.models import hf as model_lib
     from llmtrain.config import CheckpointConfig, DistributedConfig, ModelConfig, TrainConfig
-    from llmtrain.loss import token_loss_sum
+    from llmtrain.losses.token import token_loss_sum
 
     env = distributed.init(DistributedConfig(preflight=False))
     section = ModelConfig(config=json.loads(args.shape))

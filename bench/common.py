@@ -138,7 +138,8 @@ def fmt_bytes(n: float) -> str:
 def meta_model(section, strategy: str, env):
     """The recipe's model set-up up to (not including) parallelize, for the probes:
     (tokenizer, model_config, meta model, parameter count, no-decay names, ParallelConfig, Plan)."""
-    from llmtrain import model as model_lib, optim, parallelize
+    from llmtrain import optim, parallelize
+    from llmtrain.models import hf as model_lib
     from llmtrain.config import ParallelConfig
 
     tokenizer = model_lib.load_tokenizer(str(REPO / "assets" / "tokenizer"), False)

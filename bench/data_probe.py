@@ -49,7 +49,7 @@ def main() -> None:
 
     from llmtrain import data
     from llmtrain.config import DataConfig
-    from llmtrain.model import load_tokenizer
+    from llmtrain.models.hf import load_tokenizer
 
     tokenizer = load_tokenizer(str(TOKENIZER), False)
     section = DataConfig(path=str(corpus), format=args.format, seq_len=args.seq_len, packing=True)

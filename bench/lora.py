@@ -52,7 +52,8 @@ def save_base(path: Path, shape: dict) -> None:
 def training_state_bytes(base: Path, overrides: list[str]) -> tuple[int, int, int]:
     """(trained parameters, total parameters, fp32 param + grad + 2 AdamW moments of the trained ones per
     rank under fsdp2), from the meta model as the recipe builds it."""
-    from llmtrain import lora, model as model_lib
+    from llmtrain.models import lora
+    from llmtrain.models import hf as model_lib
     from llmtrain.config import load_config
 
     cfg = load_config(None, [f"model.path={base}", "data.path=x", *overrides])

@@ -3,7 +3,7 @@
     python bench/memory_probe.py --export DIR --shape JSON             # one process: a random model
     torchrun --standalone --nproc_per_node=2 bench/memory_probe.py --model DIR --strategy fsdp2 --out R.json
 
-The second form goes through the recipe's own pieces (llmtrain.model / parallelize / optim / loss):
+The second form goes through the recipe's own pieces (llmtrain.models.hf / parallelize / optim / loss):
 meta model -> parallelize -> load_weights from DIR (fsdp2/ddp: each rank reads the slices its
 parameters cover; fsdp: one unit at a time is gathered and filled with whole tensors) -> AdamW -> one
 training step. Per rank it reports:
@@ -100,9 +100,10 @@ def training_state_bytes(model, strategy: str, opt=None) -> tuple[int, int, int]
 def probe(args) -> None:
     import torch.distributed as dist
 
-    from llmtrain import distributed, model as model_lib, optim, parallelize
+    from llmtrain import distributed, optim, parallelize
+    from llmtrain.models import hf as model_lib
     from llmtrain.config import DistributedConfig, ModelConfig, TrainConfig
-    from llmtrain.loss import token_loss_sum
+    from llmtrain.losses.token import token_loss_sum
 
     env = distributed.init(DistributedConfig(preflight=False))
     section = ModelConfig(path=str(args.model))

@@ -156,7 +156,7 @@ def bench_overhead(ctx: Ctx) -> dict:
              f"aggregates the windows after warm-up; the last column compares each run's fastest {every}-step "
              "window (less sensitive to bursts of load from other processes on the machine). "
              f"Spread of the per-pair ratios: {spread:.2f}x. The recipe adds real data loading (packed rows "
-             "with position_ids, so attention is block-causal: llmtrain/attention.py), a token-weighted loss "
+             "with position_ids, so attention is block-causal: llmtrain/models/attention.py), a token-weighted loss "
              "(train.loss_impl=chunked, the default) with two all-reduces, grad clipping, a preemption all-reduce and metrics per step, and it uses "
              "fused AdamW; the bare loop reuses one random batch with plain causal attention and torch's "
              "default (per-parameter) AdamW.")

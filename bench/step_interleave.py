@@ -39,8 +39,9 @@ def main() -> None:
     args = p.parse_args()
 
     from llmtrain.step import train_step
-    from llmtrain import data, distributed, model as model_lib, optim, parallelize
-    from llmtrain.loss import TokenLoss
+    from llmtrain import data, distributed, optim, parallelize
+    from llmtrain.models import hf as model_lib
+    from llmtrain.losses.token import TokenLoss
     from llmtrain.config import load_config
 
     cfg = load_config(args.config, ["distributed.preflight=false"])

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 
 from llmtrain.config import CheckpointConfig, ConfigError
-from llmtrain.model import WEIGHTS_FILE, WEIGHTS_INDEX, clean_name
+from llmtrain.models.hf import WEIGHTS_FILE, WEIGHTS_INDEX, clean_name
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"
@@ -126,7 +126,7 @@ class TrainState:
     global_batch: int = 0
     world_size: int = 0
     data: dict = field(default_factory=dict)  # the data position (llmtrain.data make_steps)
-    base: dict = field(default_factory=dict)  # LoRA: the frozen base's path and fingerprint (llmtrain.lora)
+    base: dict = field(default_factory=dict)  # LoRA: the frozen base's path and fingerprint (llmtrain.models.lora)
 
 
 def _rng_state() -> dict:

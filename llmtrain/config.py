@@ -30,7 +30,7 @@ class ModelConfig:
     trust_remote_code: bool = False
     """Allow model code from the model directory (only for models you trust)."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flex_attention"] = "sdpa"
-    """Attention kernel passed to transformers (sdpa: packed rows skip the masked half; llmtrain/attention.py); a family without it (Gemma2: no sdpa) gets eager, logged."""
+    """Attention kernel passed to transformers (sdpa: packed rows skip the masked half; llmtrain/models/attention.py); a family without it (Gemma2: no sdpa) gets eager, logged."""
 
 
 @dataclass
@@ -219,7 +219,7 @@ class LogConfig:
 @dataclass
 class LoraConfig:
     enabled: bool = False
-    """Train LoRA adapters (PEFT) on a frozen base instead of every weight; llmtrain/lora.py."""
+    """Train LoRA adapters (PEFT) on a frozen base instead of every weight; llmtrain/models/lora.py."""
     r: int = 16
     """Rank of each adapter (lora_A: r x in, lora_B: out x r)."""
     alpha: float = 32.0

@@ -53,7 +53,7 @@ def _convert_lora(ckpt: Path, trained: dict, out: Path, config, tokenizer, dtype
     base from model.path (the fingerprint recorded at training time must match) with the adapters merged."""
     from safetensors import safe_open
 
-    from llmtrain import lora
+    from llmtrain.models import lora
     from llmtrain.config import ConfigError, load_config
 
     cfg = load_config(ckpt / "config.yaml")

@@ -16,8 +16,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from llmtrain.config import ConfigError, ParallelConfig
-from llmtrain import model as model_lib
-from llmtrain.model import decoder_layer_classes, decoder_layers, release_freed_memory
+from llmtrain.models import hf as model_lib
+from llmtrain.models.hf import decoder_layer_classes, decoder_layers, release_freed_memory
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # fp32 params + grads + two AdamW moments; activations and temporaries need the rest.

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from llmtrain.distributed import all_reduce
-from llmtrain.loss import TokenLoss, trained_tokens
+from llmtrain.losses.token import TokenLoss, trained_tokens
 from llmtrain.parallelize import Plan, autocast, clip_grad_norm, grad_sync
 
 

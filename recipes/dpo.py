@@ -6,7 +6,7 @@
 
 The shared body (command line, model, optimizer, checkpoints, resume, preemption, loop, export) is
 llmtrain.train, as for recipes/finetune.py; what is this recipe's own: the dpo: section, the reference
-model, the step (one forward over a micro-batch's chosen and rejected rows, llmtrain.preference_loss) and eval.
+model, the step (one forward over a micro-batch's chosen and rejected rows, llmtrain.losses.preference) and eval.
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a 
 
 import torch  # noqa: E402
 
-from llmtrain import data, distributed, lora, model as model_lib, parallelize, reference_cache  # noqa: E402
+from llmtrain import data, distributed, parallelize, reference_cache  # noqa: E402
+from llmtrain.models import hf as model_lib, lora  # noqa: E402
 from llmtrain import train as trainer  # noqa: E402
-from llmtrain import preference_loss as pl  # noqa: E402
-from llmtrain.preference_loss import DPOConfig  # noqa: E402
+from llmtrain.losses import preference as pl  # noqa: E402
+from llmtrain.losses.preference import DPOConfig  # noqa: E402
 from llmtrain.config import ConfigError  # noqa: E402
-from llmtrain.loss import TokenLoss, trained_tokens  # noqa: E402
+from llmtrain.losses.token import TokenLoss, trained_tokens  # noqa: E402
 from llmtrain.step import StepResult, update  # noqa: E402
 
 

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a 
 import torch  # noqa: E402
 
 from llmtrain import data, distributed, parallelize, train as trainer  # noqa: E402
-from llmtrain import loss as loss_lib  # noqa: E402
+from llmtrain.losses import token as loss_lib  # noqa: E402
 from llmtrain.config import Config, ConfigError  # noqa: E402
 from llmtrain.step import train_step  # noqa: E402
 

@@ -11,7 +11,8 @@ import torch.distributed as dist
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from conftest import REPO, TINY, launch, read_metrics, run_recipe
-from llmtrain import attention, model as model_lib
+from llmtrain.models import attention
+from llmtrain.models import hf as model_lib
 from llmtrain.config import ConfigError, DataConfig, load_config
 from llmtrain.data import IGNORE, GlobalOrderSampler, StreamSteps, StreamingRows, build
 from llmtrain.data.formats import BadRecord, encode_chat, encode_instruction, encode_text

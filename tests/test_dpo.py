@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from conftest import REPO, TINY, losses_by_step, read_metrics, run_recipe, run_side_by_side
 from llmtrain import data
 from llmtrain.config import DataConfig
-from llmtrain.model import load_tokenizer
+from llmtrain.models.hf import load_tokenizer
 from test_lora import base  # noqa: F401  (the session fixture: the reference run's export)
 
 DPO = REPO / "recipes" / "dpo.py"
@@ -109,7 +109,7 @@ def sequence_logps(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
 
 def expected(loss: str, policy, reference, batch, beta: float, smoothing: float = 0.0, gamma: float = 0.0,
              sft_weight: float = 0.0) -> dict[str, float]:
-    """The papers' formulas (module docstring of llmtrain/preference_loss.py), with TRL's metric names."""
+    """The papers' formulas (module docstring of llmtrain/losses/preference.py), with TRL's metric names."""
     (pc, pr), (nc, nr) = (t.chunk(2) for t in sequence_logps(policy, batch))
     if loss == "simpo":
         ac, ar = pc / nc, pr / nr

@@ -12,7 +12,8 @@ from transformers import AutoTokenizer, BertConfig, BertForMaskedLM, LlamaConfig
 
 from conftest import EXPORT_LOGITS, REPO, TINY, launch, losses, read_metrics, run_side_by_side
 from families import FAMILIES, SHAPE, make_family
-from llmtrain import metrics as metrics_lib, model as model_lib
+from llmtrain import metrics as metrics_lib
+from llmtrain.models import hf as model_lib
 from llmtrain.config import ConfigError, DataConfig, ModelConfig
 from llmtrain.data.formats import IGNORE, BadRecord, encode_chat
 from test_export import assert_export_matches

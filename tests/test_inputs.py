@@ -14,7 +14,7 @@ import yaml
 from transformers import AutoTokenizer, GPT2Config, LlamaConfig, LlamaForCausalLM
 
 from conftest import REPO, TINY, finish, start
-from llmtrain import model as model_lib
+from llmtrain.models import hf as model_lib
 from llmtrain.config import ConfigError, DataConfig, ModelConfig
 from llmtrain.data import MapSteps, StreamingRows, build, check
 

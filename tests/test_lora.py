@@ -20,9 +20,10 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from conftest import EXPORT_LOGITS, RECIPE, TINY, launch, losses, losses_by_step, run_recipe, run_side_by_side
-from llmtrain import lora, metrics
+from llmtrain import metrics
+from llmtrain.models import lora
 from llmtrain.config import ConfigError, load_config
-from llmtrain.model import build_meta_model, load_model_config, load_tokenizer
+from llmtrain.models.hf import build_meta_model, load_model_config, load_tokenizer
 from test_export import assert_export_matches
 
 TOL = 2e-5

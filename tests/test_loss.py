@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, CohereConfig, Gemma2Config, Llama
 from conftest import losses, run_side_by_side, RECIPE
 from llmtrain.config import ConfigError
 from llmtrain.data.formats import IGNORE
-from llmtrain.loss import TokenLoss, check, token_logps, token_loss_sum
+from llmtrain.losses.token import TokenLoss, check, token_logps, token_loss_sum
 
 VOCAB, SEQ = 96, 12
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

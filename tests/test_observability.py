@@ -25,7 +25,7 @@ import torch
 from conftest import BIN, RECIPE, REPO, TINY, finish, launch, read_metrics, run_recipe, start
 from llmtrain import metrics as m
 from llmtrain.config import Config, ConfigError, describe, load_config, to_yaml
-from llmtrain.preference_loss import DPOConfig
+from llmtrain.losses.preference import DPOConfig
 
 NEW_KEYS = {"tokens_per_sec_per_device", "mfu", "tflops", "step_time_s", "step_time_max_min", "mem_gb",
             "mem_reserved_gb"}

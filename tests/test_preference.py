@@ -12,7 +12,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from conftest import REPO
-from llmtrain import preference_loss as pl
+from llmtrain.losses import preference as pl
 from llmtrain.config import ConfigError, DataConfig
 from llmtrain.data.formats import DEFAULT_CHAT_TEMPLATE, IGNORE, BadRecord, prepare_tokenizer
 from llmtrain.data.preference import Pair, collate_pairs, encode_preference, truncate

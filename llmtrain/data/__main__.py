@@ -14,7 +14,7 @@ import sys
 
 from llmtrain.config import ConfigError, load_config
 from llmtrain.data import IGNORE, build, check
-from llmtrain.model import load_tokenizer
+from llmtrain.models.hf import load_tokenizer
 
 
 def render(ids: list[int], labels: list[int], tokenizer, colour: bool) -> str:

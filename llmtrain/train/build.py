@@ -12,10 +12,11 @@ from pathlib import Path
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from llmtrain import attention, checkpoint, data, distributed, lock, lora, optim, parallelize, preflight
-from llmtrain import loss as loss_lib
+from llmtrain import checkpoint, data, distributed, lock, optim, parallelize, preflight
+from llmtrain.models import attention, lora
+from llmtrain.losses import token as loss_lib
 from llmtrain import metrics as metrics_lib
-from llmtrain import model as model_lib
+from llmtrain.models import hf as model_lib
 from llmtrain.config import Config, to_yaml
 from llmtrain.metrics import MetricsLogger
 

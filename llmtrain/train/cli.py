@@ -12,10 +12,11 @@ import sys
 import traceback
 from typing import Callable
 
-from llmtrain import checkpoint, data, distributed, launch, lock, lora, parallelize
-from llmtrain import loss as loss_lib
+from llmtrain import checkpoint, data, distributed, launch, lock, parallelize
+from llmtrain.models import lora
+from llmtrain.losses import token as loss_lib
 from llmtrain import metrics as metrics_lib
-from llmtrain import model as model_lib
+from llmtrain.models import hf as model_lib
 from llmtrain.config import Config, ConfigError, describe, load_config, to_yaml
 
 

@@ -23,7 +23,7 @@ run = trainer.build(cfg, env)
 _, steps = trainer.data_steps(run)
 grads = {}
 if cfg.lora.enabled:  # at each optimizer step: parameters with gradients; does it hold the trained ones only
-    from llmtrain.model import clean_name
+    from llmtrain.models.hf import clean_name
 
     def record(opt, args, kwargs):
         params = list(run.model.named_parameters())
@@ -47,7 +47,7 @@ if cfg.lora.enabled:  # the frozen base after training, by its model.path names,
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     from llmtrain.checkpoint import full_state_dict
-    from llmtrain.lora import base_name, is_adapter
+    from llmtrain.models.lora import base_name, is_adapter
 
     state = full_state_dict(model, "fsdp" if isinstance(model, FullyShardedDataParallel) else "", env.device)
     if env.is_main:

@@ -16,10 +16,11 @@ import torch.distributed as dist  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from families import FAMILIES  # noqa: E402
-from llmtrain import checkpoint, distributed, model as model_lib, optim, parallelize  # noqa: E402
+from llmtrain import checkpoint, distributed, optim, parallelize  # noqa: E402
+from llmtrain.models import hf as model_lib  # noqa: E402
 from llmtrain.config import DistributedConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from llmtrain.data.formats import IGNORE  # noqa: E402
-from llmtrain.loss import TokenLoss  # noqa: E402
+from llmtrain.losses.token import TokenLoss  # noqa: E402
 from llmtrain.step import train_step  # noqa: E402
 
 STRATEGIES = ["ddp", "fsdp", "fsdp2"]

@@ -27,7 +27,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from trl import DPOConfig, DPOTrainer
 from trl.experimental.cpo import CPOTrainer
 
-from llmtrain import preference_loss as pl
+from llmtrain.losses import preference as pl
 from llmtrain.config import DataConfig
 from llmtrain.data.preference import collate_pairs, encode_preference
 

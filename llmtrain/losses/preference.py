@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from llmtrain.config import Config, ConfigError
 from llmtrain.distributed import all_reduce
 from llmtrain.data.formats import IGNORE
-from llmtrain.loss import next_token_targets, token_logps  # noqa: F401  (token_logps: from full logits, here too)
+from llmtrain.losses.token import next_token_targets, token_logps  # noqa: F401  (token_logps: from full logits, here too)
 
 LOSSES = ("sigmoid", "ipo", "simpo")
 REFERENCE_FREE = {"simpo"}

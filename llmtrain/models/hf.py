@@ -24,9 +24,9 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from llmtrain import attention
+from llmtrain.models import attention
 from llmtrain.config import ConfigError, ModelConfig
-from llmtrain.lora import base_name
+from llmtrain.models.lora import base_name
 
 WEIGHTS_INDEX = "model.safetensors.index.json"
 WEIGHTS_FILE = "model.safetensors"

@@ -140,7 +140,7 @@ def initial_adapters(model: nn.Module, section: LoraConfig, seed: int) -> dict[s
     computed alike on every rank: the same init for any world size and strategy. PEFT's default init:
     lora_A kaiming-uniform (each from its own generator seeded by seed and name), lora_B zero, so the model
     starts as the base. Fresh modules_to_save copies start as the base (the loader copies them)."""
-    from llmtrain.model import clean_name
+    from llmtrain.models.hf import clean_name
 
     wanted = {clean_name(n): p for n, p in model.named_parameters() if p.requires_grad}
     if section.init_from is not None:
