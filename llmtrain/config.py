@@ -165,7 +165,7 @@ class TrainConfig:
     """chunked: loss from the final hidden states through the output layer a chunk of trained tokens at a time
     (no [tokens x vocab] logits; same losses and gradients) | full: whole logits | liger: Liger Kernel (CUDA)."""
     loss_chunk_tokens: int = 0
-    """train.loss_impl=chunked: trained tokens per chunk; 0: as many as make 64 MiB of fp32 logits (at least 64)."""
+    """train.loss_impl=chunked: trained tokens per chunk; 0: as many as make 256 MiB of fp32 logits (at least 64)."""
 
 
 @dataclass

@@ -49,9 +49,22 @@ CONFIGS = pytest.mark.parametrize("config", [
 ], ids=["llama-tied", "llama-untied", "gemma2-softcap"])
 
 
+# Both chunked paths: the hand-written gradient of a plain nn.Linear output layer, and autograd per chunk
+# for any other output module (a wrapper such as PEFT's modules_to_save).
+HEADS = pytest.mark.parametrize("head", ["linear", "wrapped"])
+
+
+def tiny_head(config, head: str) -> torch.nn.Module:
+    model = tiny(config)
+    if head == "wrapped":
+        model.get_output_embeddings().__class__ = type("WrappedHead", (torch.nn.Linear,), {})
+    return model
+
+
 @CONFIGS
-def test_chunked_matches_full_loss_and_gradients(config):
-    model, b = tiny(config), batch()
+@HEADS
+def test_chunked_matches_full_loss_and_gradients(config, head):
+    model, b = tiny_head(config, head), batch()
     chunked = TokenLoss("chunked", model, torch.device("cpu"), chunk_tokens=5)  # 16 trained tokens: 4 chunks
     full_loss, full_grads = loss_and_grads(model, lambda: token_loss_sum(model(
         input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False).logits, b["labels"]))
@@ -67,10 +80,11 @@ def test_chunked_matches_full_loss_and_gradients(config):
 
 
 @CONFIGS
-def test_chunked_token_logps_match_full_logps_and_gradients(config):
+@HEADS
+def test_chunked_token_logps_match_full_logps_and_gradients(config, head):
     """DPO's use: per-token log-probs whose downstream gradient (here random weights, through a nonlinearity
     as DPO's log-sigmoid of row sums) is known only after the forward; and the no-grad reference path."""
-    model, b = tiny(config), batch()
+    model, b = tiny_head(config, head), batch()
     chunked = TokenLoss("chunked", model, torch.device("cpu"), chunk_tokens=5)
     weights = torch.randn(15, generator=torch.Generator().manual_seed(2))  # one per trained token
 

@@ -6,7 +6,9 @@ How the per-token losses are computed is `train.loss_impl`:
   chunked  the final hidden states of the trained tokens only, through the model's own output layer a
            chunk of tokens at a time; each chunk's gradient is taken at once, so neither the logits nor
            their gradient ever exist for more than one chunk. Per-token log-probs (token_logps, for
-           losses such as DPO's) recompute each chunk's logits in the backward pass instead
+           losses such as DPO's) recompute each chunk's logits in the backward pass instead. For a
+           plain nn.Linear output layer (every supported family) the gradient is written by hand:
+           one fp32 buffer per chunk holds the logits, then in place their gradient
   liger    Liger Kernel's fused linear cross-entropy (CUDA only, an optional extra)
 """
 
@@ -24,8 +26,10 @@ from transformers import PreTrainedModel
 from llmtrain.config import ConfigError
 from llmtrain.data.formats import IGNORE
 
-# fp32 logits of one chunk (its softmax gradient is as big again): small next to a model's activations.
-CHUNK_BYTES = 64 << 20
+# fp32 logits of one chunk, turned into their gradient in place: few chunks keep the per-chunk
+# accumulation of the output layer's weight gradient cheap, and one buffer stays far below the full
+# path's logits, log-softmax and their gradients at a real vocabulary.
+CHUNK_BYTES = 256 << 20
 MIN_CHUNK_TOKENS = 64
 
 
@@ -187,12 +191,19 @@ class TokenLoss:
     def _chunked(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
             return -self._no_grad_logps(hidden, targets).sum()
-        return _ChunkedHeadLoss.apply(self, hidden, targets, *_trainable_leaves(self, hidden[:1]))
+        return _ChunkedHeadLoss.apply(self, hidden, targets, *self._head_inputs(hidden))
 
     def _chunked_logps(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():  # e.g. DPO's reference: nothing to recompute
             return self._no_grad_logps(hidden, targets)
-        return _ChunkedHeadLogps.apply(self, hidden, targets, *_trainable_leaves(self, hidden[:1]))
+        return _ChunkedHeadLogps.apply(self, hidden, targets, *self._head_inputs(hidden))
+
+    def _head_inputs(self, hidden: torch.Tensor) -> list[torch.Tensor | None]:
+        """What the chunked Functions take the output layer's gradient for: a plain nn.Linear's own weight
+        and bias (plain, FSDP2's gathered or FSDP1's views of its flat parameter: autograd carries their
+        gradients on to the wrappers), else the leaves its graph reaches."""
+        head = self.lm.get_output_embeddings()
+        return [head.weight, head.bias] if _plain(head) else _trainable_leaves(self, hidden[:1])
 
     @torch.no_grad()
     def _no_grad_logps(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -232,11 +243,17 @@ def _trainable_leaves(loss: TokenLoss, probe: torch.Tensor) -> list[torch.Tensor
     return leaves
 
 
+def _plain(head: nn.Module) -> bool:
+    return type(head) is nn.Linear
+
+
 def _head_grads(loss: TokenLoss, hidden: torch.Tensor, targets: torch.Tensor, leaves: list[torch.Tensor],
                 weights: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Chunk by chunk: the log-probs of targets under head_logits(hidden), and the gradients of
     sum(weights x log-probs) w.r.t. the hidden rows and the head's leaves (weights None: all -1, i.e. the
     summed cross-entropy's). Only one chunk's logits exist at a time."""
+    if _plain(loss.lm.get_output_embeddings()):
+        return _linear_head_grads(loss, hidden, targets, *leaves, weights)
     grad_hidden = torch.zeros_like(hidden)
     grad_leaves = [None] * len(leaves)
     logps = []
@@ -250,6 +267,52 @@ def _head_grads(loss: TokenLoss, hidden: torch.Tensor, targets: torch.Tensor, le
             grad_leaves[i] = g if grad_leaves[i] is None else grad_leaves[i].add_(g)
         logps.append(chunk.detach())
     return torch.cat(logps), grad_hidden, grad_leaves
+
+
+def _linear_head_grads(loss: TokenLoss, hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor | None, weights: torch.Tensor | None):
+    """_head_grads for a plain nn.Linear, with the cross-entropy's gradient written out: one fp32 buffer per
+    chunk holds the logits z, then e = exp(z - max) in place (one exp pass; log p = z_t - max - log s with
+    s the row sum of e), then e - s one-hot, whose row scale -weight / s is applied to the small operands
+    of the two matmuls; the weight's gradient accumulates in place (addmm_). Autograd would make the
+    log-softmax, its gradient and a weight gradient per chunk to add."""
+    dtype = _compute_dtype(hidden)
+    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+        h_all, w = hidden.detach().to(dtype), weight.detach().to(dtype)
+        b = None if bias is None else bias.detach().to(dtype)
+        grad_hidden = torch.empty_like(h_all)
+        grad_w = torch.zeros_like(w) if weight.requires_grad else None
+        grad_b = torch.zeros_like(b) if bias is not None and bias.requires_grad else None
+        logps = []
+        for rows in loss._chunks(len(targets)):
+            h, t = h_all[rows], targets[rows]
+            z = F.linear(h, w, b).float()
+            if loss.softcap:
+                capped = torch.tanh(z / loss.softcap)
+                z = capped * loss.softcap
+            picked, top = z.gather(1, t[:, None]), z.amax(1, keepdim=True)
+            e = z.sub_(top).exp_()
+            s = e.sum(1, keepdim=True)
+            logps.append((picked - top - s.log()).squeeze(1))
+            # d(weight x log p)/dz = weight (one-hot - softmax) = (-weight / s) (e - s one-hot)
+            e[torch.arange(len(t), device=t.device), t] -= s.squeeze(1)
+            if loss.softcap:
+                e.mul_(capped.square_().neg_().add_(1))  # d tanh(x) = 1 - tanh(x)^2
+            scale = ((1 if weights is None else -weights[rows, None]) / s).to(dtype)  # weights None: -1
+            e = e.to(dtype)
+            torch.mm(e, w, out=grad_hidden[rows]).mul_(scale)
+            if grad_w is not None:
+                grad_w.addmm_(e.T, h * scale)
+            if grad_b is not None:
+                grad_b += (scale.T @ e).squeeze(0)
+    grads = [None if g is None else g.to(p.dtype) for g, p in ((grad_w, weight), (grad_b, bias))]
+    return torch.cat(logps), grad_hidden.to(hidden.dtype), grads
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """What nn.Linear computes in here: autocast's dtype when it is on, else the tensor's own."""
+    device = t.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else t.dtype
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
@@ -266,7 +329,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         grad_hidden, *grad_leaves = ctx.saved_tensors
-        return None, grad_hidden * grad_out, None, *(g * grad_out for g in grad_leaves)
+        return None, grad_hidden * grad_out, None, *(None if g is None else g * grad_out for g in grad_leaves)
 
 
 class _ChunkedHeadLogps(torch.autograd.Function):
