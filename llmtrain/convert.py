@@ -48,7 +48,8 @@ def convert(ckpt: Path, out: Path, dtype: str, max_shard_size: str) -> list[Path
     return _convert_lora(ckpt, weights, out, config, tokenizer, dtype, max_shard_size)
 
 
-def _convert_lora(ckpt: Path, trained: dict, out: Path, config, tokenizer, dtype: str, max_shard_size: str) -> list[Path]:
+def _convert_lora(ckpt: Path, trained: dict, out: Path, config, tokenizer, dtype: str,
+                  max_shard_size: str) -> list[Path]:
     """A LoRA checkpoint has the adapters only: as lora.export says, out/adapter (PEFT) and/or out/hf, the
     base from model.path (the fingerprint recorded at training time must match) with the adapters merged."""
     from safetensors import safe_open
@@ -58,7 +59,7 @@ def _convert_lora(ckpt: Path, trained: dict, out: Path, config, tokenizer, dtype
 
     cfg = load_config(ckpt / "config.yaml")
     try:
-        lora.check_resume(ckpt, True, cfg.model.path, cfg.model.config, cfg.train.seed)
+        lora.check_resume(ckpt, lora.fingerprint(cfg.model.path, cfg.model.config, cfg.train.seed))
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
     written = []

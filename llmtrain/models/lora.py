@@ -214,17 +214,16 @@ def fingerprint(model_path: str | None, model_config: dict | None, seed: int, sa
     return {"path": model_path, "fingerprint": h.hexdigest()[:16]}
 
 
-def check_resume(checkpoint: Path, enabled: bool, model_path: str | None, model_config: dict | None,
-                 seed: int) -> None:
-    """A LoRA checkpoint holds no base: it resumes only with LoRA on and onto the base it was trained on."""
+def check_resume(checkpoint: Path, current: dict) -> None:
+    """A LoRA checkpoint holds no base: it resumes only with LoRA on (`current`, the base's fingerprint(),
+    is {} with LoRA off) and onto the base it was trained on."""
     from llmtrain.checkpoint import STATE_FILE
 
     saved = json.loads((checkpoint / STATE_FILE).read_text()).get("base") or {}
-    if bool(saved) != enabled:
+    if bool(saved) != bool(current):
         kind = "LoRA adapters only" if saved else "a full model"
         raise ConfigError(f"checkpoint.resume: {checkpoint} holds {kind}; set lora.enabled="
                           f"{'true' if saved else 'false'} or checkpoint.resume=never")
-    current = fingerprint(model_path, model_config, seed) if saved else {}
     if saved and saved["fingerprint"] != current["fingerprint"]:
         raise ConfigError(f"checkpoint.resume: {checkpoint} was trained on the base {saved['path']} "
                           f"(fingerprint {saved['fingerprint']}) but model.path is {current['path']} "

@@ -75,8 +75,10 @@ def build(cfg: Config, env: distributed.DistEnv) -> Run:
     model_config = model_lib.load_model_config(cfg.model, tokenizer)
     model_lib.check_seq_len(model_config, cfg.data.seq_len)
     start = checkpoint.choose_resume(cfg.checkpoint, cfg.output_dir)  # verified; corrupt ones are skipped
-    if start is not None:  # a LoRA checkpoint holds no base: only LoRA onto the base it was trained on
-        lora.check_resume(start, cfg.lora.enabled, cfg.model.path, cfg.model.config, cfg.train.seed)
+    # LoRA: the frozen base's fingerprint, recorded in checkpoints and checked against the one resumed from.
+    base = lora.fingerprint(cfg.model.path, cfg.model.config, cfg.train.seed) if cfg.lora.enabled else {}
+    if start is not None:
+        lora.check_resume(start, base)
     model, plan, mesh, n_params, n_trained, no_decay, params_line = build_model(cfg, env, tokenizer, model_config,
                                                                                  start is not None)
     model.train()
@@ -87,7 +89,6 @@ def build(cfg: Config, env: distributed.DistEnv) -> Run:
     global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * env.world_size
     ckpt = checkpoint.CheckpointManager(cfg.checkpoint, cfg.output_dir, model, opt, env.rank, to_yaml(cfg),
                                         model_config, tokenizer)
-    base = lora.fingerprint(cfg.model.path, cfg.model.config, cfg.train.seed) if cfg.lora.enabled else {}
     state = ckpt.resume(start) or checkpoint.TrainState(global_batch=global_batch, world_size=env.world_size,
                                                         base=base)
     model_lib.check_initialized(model)  # every parameter loaded (from model.path or the checkpoint)
