@@ -217,7 +217,7 @@ class TokenLoss:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
         head = self.lm.get_output_embeddings()
-        if type(head) is not nn.Linear:  # Liger reads the weight directly: a wrapper's own math would be lost
+        if not _plain(head):  # Liger reads the weight directly: a wrapper's own math would be lost
             raise ConfigError(f"train.loss_impl=liger needs a plain nn.Linear output layer, not {type(head).__name__}"
                               "; use train.loss_impl=chunked")
         fused = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="sum", softcap=self.softcap)
@@ -328,8 +328,9 @@ class _ChunkedHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
+        # In place: these buffers are this call's alone (a weight gradient is vocab x hidden).
         grad_hidden, *grad_leaves = ctx.saved_tensors
-        return None, grad_hidden * grad_out, None, *(None if g is None else g * grad_out for g in grad_leaves)
+        return None, grad_hidden.mul_(grad_out), None, *(None if g is None else g.mul_(grad_out) for g in grad_leaves)
 
 
 class _ChunkedHeadLogps(torch.autograd.Function):
