@@ -1,9 +1,9 @@
-"""LoRA vs full fine-tuning, side by side in one run: Llamas of ~100M and ~300M parameters with a 32k
+"""LoRA vs full fine-tuning, side by side in one run: Llamas of ~100M, ~300M and ~600M parameters with a 32k
 vocabulary, 2 ranks, fsdp2, the same shape, data and steps on both sides. Prints training state per rank
 (trained parameters + gradients + AdamW moments, from the model), peak host memory per rank (the recipe's
 mem_gb: peak RSS, the max over ranks) and the median step time after warm-up, per size.
 
-    python bench/lora.py [--sizes 100M,300M] [--steps 8] [--out DIR]
+    python bench/lora.py [--sizes 100M,300M] (or 600M) [--steps 8] [--out DIR]
 
 The base is saved once as a Hugging Face directory, so that every run reads it with the per-rank frugal
 loader (a random init would be built whole on rank 0 and inflate its peak)."""
@@ -26,6 +26,7 @@ COMMON_SHAPE = dict(vocab_size=32000, max_position_embeddings=512, tie_word_embe
 SIZES = {  # name: Llama shape (head_dim 64)
     "100M": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12),
     "300M": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16),
+    "600M": dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=24),
 }
 LORA = ["lora.enabled=true", "lora.r=16", "lora.alpha=32", "lora.dropout=0", "lora.target_modules=all-linear",
         "lora.export=adapter"]
@@ -86,7 +87,8 @@ def bench_size(root: Path, shape: dict, steps: int, warmup: int) -> list[tuple]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, of {', '.join(SIZES)}")
+    p.add_argument("--sizes", default="100M,300M",
+                   help=f"comma-separated, of {', '.join(SIZES)} (600M: ~8.5 GiB per rank for full fine-tuning)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the step-time median")
     p.add_argument("--out", type=Path, default=None, help="keep the runs here (default: a temporary directory)")
