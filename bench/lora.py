@@ -1,5 +1,6 @@
-"""LoRA vs full fine-tuning, side by side in one run: Llamas of ~100M, ~300M and ~600M parameters with a 32k
-vocabulary, 2 ranks, fsdp2, the same shape, data and steps on both sides. Prints training state per rank
+"""LoRA vs full fine-tuning, side by side in one run (Llamas of ~100M, ~300M or ~600M parameters).
+
+A 32k vocabulary, 2 ranks, fsdp2, the same shape, data and steps on both sides. Prints training state per rank
 (trained parameters + gradients + AdamW moments, from the model), peak host memory per rank (the recipe's
 mem_gb: peak RSS, the max over ranks) and the median step time after warm-up, per size.
 
