@@ -136,7 +136,7 @@ def train(cfg: DPOConfig, env: distributed.DistEnv) -> torch.nn.Module:
                         reference_logps(batch) if reference_logps is not None else None)
 
         batches = data.eval_batches(built.val, cfg.train.micro_batch_size, env.world_size, env.rank,
-                                    cfg.eval.max_batches, built.pad_id)
+                                    cfg.eval.max_batches, built.collate)
         run.metrics.log({"step": at_step, **pl.evaluate(model, batches, logps, env.device, d)})
 
     return trainer.loop(run, steps, step, evaluate)
