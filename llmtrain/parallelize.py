@@ -28,6 +28,7 @@ AUTO_DDP_FRACTION = 0.35
 
 @dataclass(frozen=True)
 class Plan:
+    """What resolve() chose: the strategy (its .name for logs), why, and the compute dtype."""
     strategy: Strategy
     reason: str
     dtype: torch.dtype
