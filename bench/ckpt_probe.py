@@ -49,7 +49,7 @@ def main() -> None:
     section = ModelConfig(config=json.loads(args.shape))
     tokenizer, model_config, model, n_params, no_decay, pcfg, plan = meta_model(section, args.strategy, env)
     model = parallelize.parallelize(model, pcfg, plan, distributed.build_mesh(env, 1), env.device)
-    model_lib.load_weights(model, section, model_config, 0)
+    model_lib.load_weights(model, plan.strategy, section, model_config, 0)
     tcfg = TrainConfig()
     opt = optim.build_optimizer(model, tcfg, tcfg.lr, no_decay)
     ids = torch.randint(0, len(tokenizer), (1, 64), generator=torch.Generator().manual_seed(env.rank))
@@ -78,7 +78,7 @@ def main() -> None:
     hf = args.dir / "hf"
     export_s = timed(lambda: checkpoint.export_hf(model, plan.strategy, env.device, hf, model_config, tokenizer))
     if env.is_main:
-        result = {"n_params": n_params, "strategy": plan.strategy, "world_size": env.world_size,
+        result = {"n_params": n_params, "strategy": plan.strategy.name, "world_size": env.world_size,
                   "save_s": save_s, "load_s": load_s, "export_s": export_s, "checkpoint_bytes": total,
                   "shard_bytes": shards, "export_bytes": du(hf)}
         args.out.write_text(json.dumps(result, indent=1))

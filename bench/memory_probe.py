@@ -116,7 +116,7 @@ def probe(args) -> None:
     hwm_reset = reset_peak_rss()
     with AnonPeak() as anon:
         model = parallelize.parallelize(model, pcfg, plan, mesh, env.device)
-        model_lib.load_weights(model, section, model_config, 0)
+        model_lib.load_weights(model, plan.strategy, section, model_config, 0)
     after = proc_status()
     dist.barrier()
     params_loaded, _, _ = training_state_bytes(model, args.strategy)
@@ -132,12 +132,12 @@ def probe(args) -> None:
     logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
     (token_loss_sum(logits, ids) / ids.numel()).backward()
     del logits
-    parallelize.clip_grad_norm(model, plan, 1.0)
+    plan.strategy.clip_grad_norm(model, 1.0)
     opt.step()
     params, grads, optim_bytes = training_state_bytes(model, args.strategy, opt)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
-    mine = {"rank": env.rank, "strategy": plan.strategy, "n_params": n_params,
+    mine = {"rank": env.rank, "strategy": plan.strategy.name, "n_params": n_params,
             "params_bytes": params, "grads_bytes": grads, "optim_bytes": optim_bytes,
             "params_bytes_after_load": params_loaded, "peak_rss_bytes": peak_rss,
             "rss_before_load": before["VmRSS"], "load_hwm": after["VmHWM"] if hwm_reset else None,

@@ -52,7 +52,7 @@ def main() -> None:
     no_decay = optim.no_decay_names(model)
     plan = parallelize.resolve(cfg.parallel, sum(p.numel() for p in model.parameters()), env.world_size, env.device)
     model = parallelize.parallelize(model, cfg.parallel, plan, distributed.build_mesh(env, 1), env.device)
-    model_lib.load_weights(model, cfg.model, mc, cfg.train.seed)
+    model_lib.load_weights(model, plan.strategy, cfg.model, mc, cfg.train.seed)
     model.train()
     opt = optim.build_optimizer(model, cfg.train, cfg.train.lr, no_decay)
     losses = {impl: TokenLoss(impl, model, env.device) for impl in ("chunked", "full")}

@@ -24,6 +24,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from llmtrain.config import CheckpointConfig, ConfigError
 from llmtrain.models.hf import WEIGHTS_FILE, WEIGHTS_INDEX, clean_name
 
+if TYPE_CHECKING:
+    from llmtrain.parallelize import Strategy
+
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"
 MANIFEST = "manifest.json"
@@ -44,11 +48,11 @@ HF_CONFIG_DIR = "hf_config"
 SAVED = StateDictOptions(ignore_frozen_params=True)
 
 
-def full_state_dict(model: nn.Module, strategy: str, device: torch.device,
+def full_state_dict(model: nn.Module, strategy: Strategy, device: torch.device,
                     trainable_only: bool = False) -> dict[str, torch.Tensor]:
-    """Every rank must call this (it gathers shards); the tensors are on rank 0's CPU.
-    FSDP1 with cpu_offload on CPU segfaults rank 0 (torch 2.13), so there every rank keeps a copy."""
-    offload = not (strategy == "fsdp" and device.type == "cpu")
+    """Every rank must call this (it gathers shards); the tensors are on rank 0's CPU (the strategy may have
+    every rank gather a copy on the way, Strategy.offloads_full_state)."""
+    offload = strategy.offloads_full_state(device)
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=offload,
                                                                  ignore_frozen_params=trainable_only))
     if trainable_only:
@@ -107,7 +111,7 @@ def write_hf(state: dict[str, torch.Tensor], out: Path, config, tokenizer, dtype
     publish(tmp, out)
 
 
-def export_hf(model: nn.Module, strategy: str, device: torch.device, out: str | Path, config, tokenizer,
+def export_hf(model: nn.Module, strategy: Strategy, device: torch.device, out: str | Path, config, tokenizer,
               dtype: torch.dtype = torch.float32, max_shard_size: str = "5GB") -> None:
     """Collective: all ranks gather, rank 0 writes, all ranks wait until the export is complete."""
     state = full_state_dict(model, strategy, device)

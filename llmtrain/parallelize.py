@@ -1,6 +1,7 @@
 """parallelize(): one entry that applies, in a fixed order, one small function per technique:
-activation checkpointing -> compile -> fsdp2 | fsdp | ddp | none. Also the few places where
-strategies differ after wrapping: gradient-sync suppression, clipping, autocast and loss scaling."""
+activation checkpointing -> compile -> the strategy's wrap. A Strategy (one subclass per name: none, ddp,
+fsdp, fsdp2) holds everything else that differs between them: gradient-sync suppression, clipping, autocast
+and loss scaling, how the full state dict is gathered, how weights are loaded and how a frozen copy is wrapped."""
 
 from __future__ import annotations
 
@@ -27,14 +28,14 @@ AUTO_DDP_FRACTION = 0.35
 
 @dataclass(frozen=True)
 class Plan:
-    strategy: str
+    """What resolve() chose: the strategy (its .name for logs), why, and the compute dtype."""
+    strategy: Strategy
     reason: str
     dtype: torch.dtype
 
     @property
     def autocast(self) -> bool:
-        # FSDP casts parameters through its mixed-precision policy; DDP and none use autocast.
-        return self.dtype != torch.float32 and self.strategy in ("ddp", "none")
+        return self.dtype != torch.float32 and self.strategy.autocasts
 
 
 def check(section: ParallelConfig, world_size: int, device_type: str) -> None:
@@ -80,14 +81,14 @@ def resolve(section: ParallelConfig, n_params: int, world_size: int, device: tor
     """n_params: the trained parameters; frozen_bytes: the storage of frozen ones (trained_and_frozen)."""
     dtype = DTYPES[section.mixed_precision]
     if section.strategy != "auto":
-        return Plan(section.strategy, "set by parallel.strategy", dtype)
+        return Plan(STRATEGIES[section.strategy], "set by parallel.strategy", dtype)
     need, have = n_params * TRAIN_BYTES_PER_PARAM + frozen_bytes, _device_memory(device)
     fits = need <= AUTO_DDP_FRACTION * have and section.replicate == 1 and not section.cpu_offload
     gib = f"{need / 2**30:.2f} GiB of training state vs {have / 2**30:.1f} GiB on {device.type}"
     if fits:
         choice = "ddp" if world_size > 1 else "none"
-        return Plan(choice, f"auto: {gib} fits in {AUTO_DDP_FRACTION:.0%}, so {choice}", dtype)
-    return Plan("fsdp2", f"auto: {gib} does not fit in {AUTO_DDP_FRACTION:.0%}, so fsdp2", dtype)
+        return Plan(STRATEGIES[choice], f"auto: {gib} fits in {AUTO_DDP_FRACTION:.0%}, so {choice}", dtype)
+    return Plan(STRATEGIES["fsdp2"], f"auto: {gib} does not fit in {AUTO_DDP_FRACTION:.0%}, so fsdp2", dtype)
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
@@ -98,51 +99,6 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 def apply_compile(model: nn.Module) -> None:
     for layer in decoder_layers(model):
         layer.compile()
-
-
-def apply_fsdp2(model: nn.Module, section: ParallelConfig, plan: Plan, mesh: DeviceMesh,
-                device: torch.device) -> nn.Module:
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-    kwargs = dict(
-        mesh=mesh,
-        mp_policy=MixedPrecisionPolicy(param_dtype=plan.dtype, reduce_dtype=torch.float32),
-        offload_policy=CPUOffloadPolicy() if section.cpu_offload else OffloadPolicy(),
-    )
-    layers = decoder_layers(model)
-    for i, layer in enumerate(layers):
-        # The last layer's parameters are needed again at once by backward: keep them gathered.
-        fully_shard(layer, reshard_after_forward=section.reshard_after_forward and i < len(layers) - 1, **kwargs)
-    # The root (embeddings, final norm, output layer) is needed again as soon as backward starts: resharding
-    # it after forward would all-gather it twice per micro-batch (FSDP2's own default for a root).
-    fully_shard(model, reshard_after_forward=False, **kwargs)
-    materialize(model, torch.device("cpu") if section.cpu_offload else device)
-    return model
-
-
-def apply_fsdp1(model: nn.Module, section: ParallelConfig, plan: Plan, mesh: DeviceMesh,
-                device: torch.device) -> nn.Module:
-    from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
-
-    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=decoder_layer_classes(model))
-    mp = None
-    if plan.dtype != torch.float32:
-        mp = MixedPrecision(param_dtype=plan.dtype, reduce_dtype=torch.float32, buffer_dtype=torch.float32)
-    return FSDP(
-        model,
-        auto_wrap_policy=policy,
-        sharding_strategy=ShardingStrategy[section.sharding_strategy],
-        mixed_precision=mp,
-        cpu_offload=CPUOffload(offload_params=section.cpu_offload),
-        device_id=device,  # needed on CPU too (measured: torch 2.13 otherwise fails to place shards)
-        device_mesh=mesh,
-        use_orig_params=True,
-        # Materialize meta parameters empty (weights are loaded after wrapping), re-tying embeddings.
-        param_init_fn=lambda m: _materialize_one(m, model, device),
-        sync_module_states=False,
-    )
 
 
 def _materialize_one(module: nn.Module, root: nn.Module, device: torch.device) -> None:
@@ -160,54 +116,186 @@ def materialize(model: nn.Module, device: torch.device) -> None:
     model.tie_weights()
 
 
-def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
-    from torch.nn.parallel import DistributedDataParallel as DDP
+class Strategy:
+    """One parallel strategy: its wrap and what differs per strategy after wrapping. The defaults are those of
+    a model held whole on every rank (none, ddp); STRATEGIES maps each parallel.strategy name to its object."""
+    name: str
+    # Mixed precision through torch.autocast; FSDP casts parameters through its own policy instead.
+    autocasts = True
+    # FSDP1: models.hf.load_weights fills one gathered unit at a time instead of each rank's slices.
+    loads_by_unit = False
 
-    materialize(model, device)
-    # DDP broadcasts rank 0's (still uninitialised) parameters; load_weights then fills every rank alike.
-    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-
-
-def parallelize(model: nn.Module, section: ParallelConfig, plan: Plan, mesh: DeviceMesh,
-                device: torch.device) -> nn.Module:
-    """Meta-device model in, materialized (empty) wrapped model out; weights are loaded afterwards."""
-    if section.activation_checkpointing:
-        apply_activation_checkpointing(model)
-    if section.compile:
-        apply_compile(model)
-    if plan.strategy == "fsdp2":
-        model = apply_fsdp2(model, section, plan, mesh, device)
-    elif plan.strategy == "fsdp":
-        model = apply_fsdp1(model, section, plan, mesh, device)
-        release_freed_memory()
-    elif plan.strategy == "ddp":
-        model = apply_ddp(model, device)
-    else:
+    def wrap(self, model: nn.Module, section: ParallelConfig, dtype: torch.dtype, mesh: DeviceMesh,
+             device: torch.device) -> nn.Module:
+        """Meta-device model in, materialized (empty) wrapped model out."""
         materialize(model, device)
-    return model
+        return model
+
+    def describe(self, model: nn.Module) -> str:
+        """What was wrapped, for the start-up log: e.g. `ddp: whole model (2 x LlamaDecoderLayer)`."""
+        return f"{self.name}: whole model ({_blocks(model)})"
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """Inside it, backward leaves gradients local (no all-reduce or reduce-scatter)."""
+        return contextlib.nullcontext()
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Global gradient norm (clipped to max_norm when > 0), the same on every rank."""
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
+        return _clip(grads, norm, max_norm)
+
+    def grad_scaler(self, device: torch.device):
+        """The loss scaler fp16 needs."""
+        return torch.amp.GradScaler(device.type)
+
+    def offloads_full_state(self, device: torch.device) -> bool:
+        """Whether a full state dict is gathered onto rank 0's CPU only (checkpoint.full_state_dict)."""
+        return True
+
+    def frozen(self) -> Strategy:
+        """The strategy for a frozen copy of the model (no gradients) next to this one."""
+        return self
+
+    def __repr__(self) -> str:
+        return self.name
 
 
-def describe(model: nn.Module, plan: Plan) -> str:
-    """What was wrapped, for the start-up log: e.g. `fsdp2: 24 x Qwen3DecoderLayer + root`."""
+class Unwrapped(Strategy):
+    name = "none"
+
+
+class DDP(Strategy):
+    name = "ddp"
+
+    def wrap(self, model, section, dtype, mesh, device):
+        from torch.nn.parallel import DistributedDataParallel
+
+        materialize(model, device)
+        # DDP broadcasts rank 0's (still uninitialised) parameters; load_weights then fills every rank alike.
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    def no_sync(self, model):
+        return model.no_sync()
+
+    def frozen(self):
+        return STRATEGIES["none"]  # whole on each rank: without gradients there is nothing to synchronise
+
+
+class Sharded(Strategy):
+    """FSDP1 and FSDP2: parameters, gradients and optimizer state sharded over the ranks of the mesh."""
+    autocasts = False
+
+    def describe(self, model):
+        return f"{self.name}: {_blocks(model)} + root"
+
+    def grad_scaler(self, device):
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device=device.type)
+
+
+class FSDP1(Sharded):
+    name = "fsdp"
+    loads_by_unit = True
+
+    def wrap(self, model, section, dtype, mesh, device):
+        from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+        from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=decoder_layer_classes(model))
+        mp = None
+        if dtype != torch.float32:
+            mp = MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=torch.float32)
+        wrapped = FullyShardedDataParallel(
+            model,
+            auto_wrap_policy=policy,
+            sharding_strategy=ShardingStrategy[section.sharding_strategy],
+            mixed_precision=mp,
+            cpu_offload=CPUOffload(offload_params=section.cpu_offload),
+            device_id=device,  # needed on CPU too (measured: torch 2.13 otherwise fails to place shards)
+            device_mesh=mesh,
+            use_orig_params=True,
+            # Materialize meta parameters empty (weights are loaded after wrapping), re-tying embeddings.
+            param_init_fn=lambda m: _materialize_one(m, model, device),
+            sync_module_states=False,
+        )
+        release_freed_memory()
+        return wrapped
+
+    def no_sync(self, model):
+        return model.no_sync()
+
+    def clip_grad_norm(self, model, max_norm):
+        return model.clip_grad_norm_(_limit(max_norm))
+
+    def offloads_full_state(self, device):
+        return device.type != "cpu"  # cpu_offload on CPU segfaults rank 0 (torch 2.13): every rank keeps a copy
+
+
+class FSDP2(Sharded):
+    name = "fsdp2"
+
+    def wrap(self, model, section, dtype, mesh, device):
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        kwargs = dict(
+            mesh=mesh,
+            mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
+            offload_policy=CPUOffloadPolicy() if section.cpu_offload else OffloadPolicy(),
+        )
+        layers = decoder_layers(model)
+        for i, layer in enumerate(layers):
+            # The last layer's parameters are needed again at once by backward: keep them gathered.
+            fully_shard(layer, reshard_after_forward=section.reshard_after_forward and i < len(layers) - 1,
+                        **kwargs)
+        # The root (embeddings, final norm, output layer) is needed again as soon as backward starts: resharding
+        # it after forward would all-gather it twice per micro-batch (FSDP2's own default for a root).
+        fully_shard(model, reshard_after_forward=False, **kwargs)
+        materialize(model, torch.device("cpu") if section.cpu_offload else device)
+        return model
+
+    def no_sync(self, model):
+        model.set_requires_gradient_sync(False)
+        return _restore_sync(model)
+
+    def clip_grad_norm(self, model, max_norm):
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        layouts = {(g.device_mesh, g.placements) if isinstance(g, DTensor) else None for g in grads}
+        if len(layouts) == 1 and None not in layouts:
+            # Norms of the local shards, squared and summed over the mesh dims the gradients are sharded on
+            # (one all-reduce); per-tensor DTensor dispatch cost more than the arithmetic (~1% of a demo step).
+            mesh, placements = grads[0].device_mesh, grads[0].placements
+            grads = [g.to_local() for g in grads]
+            norm = torch.nn.utils.get_total_norm(grads, foreach=True) ** 2
+            for dim, placement in enumerate(placements):
+                if placement.is_shard():
+                    dist.all_reduce(norm, group=mesh.get_group(dim))
+            norm = norm.sqrt()
+        else:
+            norm = torch.nn.utils.get_total_norm(grads)
+            if isinstance(norm, DTensor):  # DTensors on several meshes or placements: a DTensor of partial norms
+                norm = norm.full_tensor()
+        return _clip(grads, norm, max_norm)
+
+
+STRATEGIES: dict[str, Strategy] = {s.name: s for s in (Unwrapped(), DDP(), FSDP1(), FSDP2())}
+
+
+def _blocks(model: nn.Module) -> str:
     layers = decoder_layers(model)
     # fully_shard swaps a layer's class for a subclass FSDP<name> made in torch.distributed: name the model's.
     block = next(c for c in type(layers[0]).__mro__ if not c.__module__.startswith("torch.distributed"))
-    blocks = f"{len(layers)} x {block.__name__}"
-    if plan.strategy in ("fsdp", "fsdp2"):
-        return f"{plan.strategy}: {blocks} + root"
-    return f"{plan.strategy}: whole model ({blocks})"
+    return f"{len(layers)} x {block.__name__}"
 
 
-def grad_sync(model: nn.Module, plan: Plan, enabled: bool):
-    """Skip the gradient all-reduce/reduce-scatter on non-final micro-batches."""
-    if enabled:
-        return contextlib.nullcontext()
-    if plan.strategy == "fsdp2":
-        model.set_requires_gradient_sync(False)
-        return _restore_sync(model)
-    if plan.strategy in ("ddp", "fsdp"):
-        return model.no_sync()
-    return contextlib.nullcontext()
+def _limit(max_norm: float) -> float:
+    return max_norm if max_norm > 0 else float("inf")
+
+
+def _clip(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    torch._foreach_mul_(grads, torch.clamp(_limit(max_norm) / (norm + 1e-6), max=1.0))
+    return norm
 
 
 @contextlib.contextmanager
@@ -218,29 +306,19 @@ def _restore_sync(model: nn.Module):
         model.set_requires_gradient_sync(True)
 
 
-def clip_grad_norm(model: nn.Module, plan: Plan, max_norm: float) -> torch.Tensor:
-    """Global gradient norm (clipped to max_norm when > 0), the same on every rank."""
-    limit = max_norm if max_norm > 0 else float("inf")
-    if plan.strategy == "fsdp":
-        return model.clip_grad_norm_(limit)
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    layouts = {(g.device_mesh, g.placements) if isinstance(g, DTensor) else None for g in grads}
-    if len(layouts) == 1 and None not in layouts:
-        # FSDP2: norms of the local shards, squared and summed over the mesh dims the gradients are sharded
-        # on (one all-reduce); per-tensor DTensor dispatch cost more than the arithmetic (~1% of a demo step).
-        mesh, placements = grads[0].device_mesh, grads[0].placements
-        grads = [g.to_local() for g in grads]
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True) ** 2
-        for dim, placement in enumerate(placements):
-            if placement.is_shard():
-                dist.all_reduce(norm, group=mesh.get_group(dim))
-        norm = norm.sqrt()
-    else:
-        norm = torch.nn.utils.get_total_norm(grads)
-        if isinstance(norm, DTensor):  # DTensors on several meshes or placements: a DTensor of partial norms
-            norm = norm.full_tensor()
-    torch._foreach_mul_(grads, torch.clamp(limit / (norm + 1e-6), max=1.0))
-    return norm
+def parallelize(model: nn.Module, section: ParallelConfig, plan: Plan, mesh: DeviceMesh,
+                device: torch.device) -> nn.Module:
+    """Meta-device model in, materialized (empty) wrapped model out; weights are loaded afterwards."""
+    if section.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if section.compile:
+        apply_compile(model)
+    return plan.strategy.wrap(model, section, plan.dtype, mesh, device)
+
+
+def grad_sync(model: nn.Module, plan: Plan, enabled: bool):
+    """Skip the gradient all-reduce/reduce-scatter on non-final micro-batches."""
+    return contextlib.nullcontext() if enabled else plan.strategy.no_sync(model)
 
 
 def autocast(plan: Plan, device: torch.device):
@@ -251,10 +329,4 @@ def autocast(plan: Plan, device: torch.device):
 
 def grad_scaler(plan: Plan, device: torch.device):
     """fp16 needs loss scaling; bf16 and fp32 do not."""
-    if plan.dtype != torch.float16:
-        return None
-    if plan.strategy in ("fsdp", "fsdp2"):
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        return ShardedGradScaler(device=device.type)
-    return torch.amp.GradScaler(device.type)
+    return plan.strategy.grad_scaler(device) if plan.dtype == torch.float16 else None

@@ -11,7 +11,7 @@ from torch import nn
 
 from llmtrain.distributed import all_reduce
 from llmtrain.losses.token import TokenLoss, trained_tokens
-from llmtrain.parallelize import Plan, autocast, clip_grad_norm, grad_sync
+from llmtrain.parallelize import Plan, autocast, grad_sync
 
 
 class StepResult(NamedTuple):
@@ -52,7 +52,7 @@ def update(model: nn.Module, plan: Plan, opt: torch.optim.Optimizer, scaler, max
     """After the backward passes: clip, then step unless non-finite -> (grad norm, whether applied)."""
     if scaler:
         scaler.unscale_(opt)
-    grad_norm = float(clip_grad_norm(model, plan, max_grad_norm))
+    grad_norm = float(plan.strategy.clip_grad_norm(model, max_grad_norm))
     # fp16 overflows are the scaler's business (it skips that step); anything else non-finite is ours.
     ok = math.isfinite(loss) and (scaler is not None or math.isfinite(grad_norm))
     if ok:

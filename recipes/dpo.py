@@ -99,9 +99,10 @@ def train(cfg: DPOConfig, env: distributed.DistEnv) -> torch.nn.Module:
                      + (", precomputed" if d.precompute_reference else ""))
     built, steps = trainer.data_steps(run, pairs=True)
     if d.precompute_reference:  # scored once (or read back) here; no reference model during training
+        base = run.state.base or lora.fingerprint(cfg.model.path, cfg.model.config, cfg.train.seed)  # LoRA: build's
         where = reference_cache.directory(
             built.train, Path(cfg.output_dir), seq_len=cfg.data.seq_len, compute=cfg.parallel.mixed_precision,
-            weights=lora.fingerprint(cfg.model.path, cfg.model.config, cfg.train.seed)["fingerprint"],
+            weights=base["fingerprint"],
             weights_dtype=cfg.lora.base_dtype if cfg.lora.enabled else "fp32")
         reference_logps = reference_cache.precompute(where, len(built.train), lambda p: data.pairs_batch(built, p),
                                                      cfg.train.micro_batch_size, live_reference, env, run.metrics.info)
@@ -136,7 +137,7 @@ def train(cfg: DPOConfig, env: distributed.DistEnv) -> torch.nn.Module:
                         reference_logps(batch) if reference_logps is not None else None)
 
         batches = data.eval_batches(built.val, cfg.train.micro_batch_size, env.world_size, env.rank,
-                                    cfg.eval.max_batches, built.pad_id)
+                                    cfg.eval.max_batches, built.collate)
         run.metrics.log({"step": at_step, **pl.evaluate(model, batches, logps, env.device, d)})
 
     return trainer.loop(run, steps, step, evaluate)

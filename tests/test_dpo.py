@@ -243,7 +243,9 @@ def test_dpo_precomputed_reference_is_reused_and_a_damaged_piece_recomputed(tmp_
 def test_dpo_bad_settings_name_the_key(tmp_path, base):  # noqa: F811
     cases = {("data.format=text",): "data.format=preference", ("train.loss_impl=liger",): "train.loss_impl",
              ("model.path=outputs/nowhere/hf",): "recipes/finetune.py --config configs/demo.yaml",
-             ("dpo.loss=simpo", PRECOMPUTE): "dpo.precompute_reference: dpo.loss=simpo uses no reference model"}
+             ("dpo.loss=simpo", PRECOMPUTE): "dpo.precompute_reference: dpo.loss=simpo uses no reference model",
+             (PRECOMPUTE, "eval.every_steps=1", "data.val_fraction=0.2"):
+                 "set eval.every_steps=0 or dpo.precompute_reference=false"}
     for overrides, words in cases.items():
         args = [a for a in dpo_args(base) if not a.startswith(tuple(o.split("=")[0] + "=" for o in overrides))]
         res = run_recipe(tmp_path / "bad", *args, *overrides, check=False, torchrun=False, config=TINY, script=DPO)

@@ -107,6 +107,6 @@ def test_auto_picks_fsdp2_when_the_state_does_not_fit():
 
     small = resolve(ParallelConfig(strategy="auto"), 1000, 2, torch.device("cpu"))
     huge = resolve(ParallelConfig(strategy="auto"), 10**13, 2, torch.device("cpu"))
-    assert (small.strategy, huge.strategy) == ("ddp", "fsdp2")
+    assert (small.strategy.name, huge.strategy.name) == ("ddp", "fsdp2")
     assert "does not fit" in huge.reason and "GiB" in huge.reason
-    assert resolve(ParallelConfig(strategy="auto"), 1000, 1, torch.device("cpu")).strategy == "none"
+    assert resolve(ParallelConfig(strategy="auto"), 1000, 1, torch.device("cpu")).strategy.name == "none"

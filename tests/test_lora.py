@@ -239,4 +239,4 @@ def test_auto_strategy_counts_only_trained_state():
     n = int(0.35 * _device_memory(torch.device("cpu")) / 16 * 2)  # twice what auto lets ddp hold
     full = resolve(ParallelConfig(strategy="auto"), n, 2, torch.device("cpu"))
     lora_ = resolve(ParallelConfig(strategy="auto"), n // 100, 2, torch.device("cpu"), frozen_bytes=4 * n)
-    assert (full.strategy, lora_.strategy) == ("fsdp2", "ddp"), (full.reason, lora_.reason)
+    assert (full.strategy.name, lora_.strategy.name) == ("fsdp2", "ddp"), (full.reason, lora_.reason)

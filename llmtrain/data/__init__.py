@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -167,12 +167,17 @@ def _rows(examples, section: DataConfig, tokenizer, stats: Stats):
                                    "packing": section.packing})
 
 
+Collate = Callable[[list[dict]], dict[str, torch.Tensor]]
+
+
 @dataclass
 class Built:
     train: object  # datasets.Dataset of rows, or a StreamingRows
     val: object | None
     stats: Stats
-    pad_id: int | None = None  # format=preference: the rows are pairs, collated (collate_pairs) with this pad id
+    # How a micro-batch's rows become tensors: None for rows of equal length (stacked as they are);
+    # format=preference: pairs, padded per micro-batch into chosen and rejected rows (collate_pairs).
+    collate: Collate | None = None
 
 
 def build(section: DataConfig, tokenizer, seed: int, is_main: bool = True, rank: int = 0,
@@ -225,7 +230,7 @@ def _build(section: DataConfig, tokenizer, seed: int, rank: int, world_size: int
         val = _rows(val_examples, section, tokenizer, Stats())
     pairs = {s.format for s in sources(section)} == {"preference"}
     return Built(train, val.with_format("torch") if val is not None else None, stats,
-                 tokenizer.pad_token_id if pairs else None)
+                 functools.partial(_collate_pairs, pad_id=tokenizer.pad_token_id) if pairs else None)
 
 
 class StreamingRows:
@@ -293,21 +298,20 @@ def _collate_pairs(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
 
 def pairs_batch(built: Built, positions: list[int]) -> dict[str, torch.Tensor]:
     """The pairs at these positions of built.train, collated as a training micro-batch."""
-    return _collate_pairs([built.train[i] for i in positions], built.pad_id)
+    return built.collate([built.train[i] for i in positions])
 
 
 class MapSteps:
     """Steps over map-style rows; the position is the global sample count."""
 
     def __init__(self, rows, micro: int, accum: int, world_size: int, rank: int, seed: int, samples_seen: int,
-                 pad_id: int | None = None):
+                 collate: Collate | None = None):
         self.global_batch = micro * accum * world_size
         if self.global_batch > len(rows):  # the sampler would put the same rows into one batch many times
             raise ConfigError(f"the training data gives {len(rows)} rows of data.seq_len tokens, fewer than one "
                               f"step's global batch of {self.global_batch} (train.micro_batch_size {micro} x "
                               f"train.grad_accum_steps {accum} x {world_size} ranks); lower those or add data")
         self.samples_seen = samples_seen
-        collate = None if pad_id is None else functools.partial(_collate_pairs, pad_id=pad_id)
         self.it = step_batches(rows, micro, accum, world_size, rank, seed, samples_seen, collate)
 
     def __next__(self) -> list[dict[str, torch.Tensor]]:
@@ -363,26 +367,26 @@ def make_steps(built: Built, micro: int, accum: int, world_size: int, rank: int,
                device: torch.device, position: dict):
     if isinstance(built.train, StreamingRows):
         return StreamSteps(built.train, micro, accum, device, position, world_size)
-    return MapSteps(built.train, micro, accum, world_size, rank, seed, position.get("samples_seen", 0), built.pad_id)
+    return MapSteps(built.train, micro, accum, world_size, rank, seed, position.get("samples_seen", 0), built.collate)
 
 
 def eval_batches(val, micro: int, world_size: int, rank: int, max_batches: int,
-                 pad_id: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
-    """This rank's validation micro-batches (of pairs, collated with pad_id, when Built.pad_id is set). Every
+                 collate: Collate | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """This rank's validation micro-batches (rows made into tensors by `collate`, Built.collate). Every
     rank yields the same number of batches (a rank with fewer rows gets an all-ignored batch), since FSDP
     forwards are collectives."""
     n_batches = math.ceil(len(val) / (micro * world_size))
     if max_batches:
         n_batches = min(n_batches, max_batches)
     indices = list(range(rank, len(val), world_size))
-    def collate(rows: list[int]) -> dict[str, torch.Tensor]:
-        return val[rows] if pad_id is None else _collate_pairs([val[i] for i in rows], pad_id)
+    def batch(rows: list[int]) -> dict[str, torch.Tensor]:
+        return val[rows] if collate is None else collate([val[i] for i in rows])
 
     for b in range(n_batches):
         chunk = indices[b * micro:(b + 1) * micro]
         if chunk:
-            yield collate(chunk)
+            yield batch(chunk)
         else:
-            dummy = collate([0])
+            dummy = batch([0])
             dummy["labels"] = torch.full_like(dummy["labels"], IGNORE)
             yield dummy

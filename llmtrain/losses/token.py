@@ -95,6 +95,9 @@ class TokenLoss:
         cap = getattr(self.lm.config, "final_logit_softcapping", None)  # Gemma 2 / 3
         self.softcap = float(cap) if cap else None
         self.chunk_tokens = chunk_tokens or max(MIN_CHUNK_TOKENS, CHUNK_BYTES // (4 * self.lm.config.vocab_size))
+        # A plain nn.Linear output layer gets the hand-written gradient (_linear_head_grads) and liger; any
+        # other (PEFT's, say) has its own math, which only autograd through the module reproduces.
+        self.plain_head = type(self.lm.get_output_embeddings()) is nn.Linear
         if impl != "full":
             self._check_head(model, device)
 
@@ -203,7 +206,7 @@ class TokenLoss:
         and bias (plain, FSDP2's gathered or FSDP1's views of its flat parameter: autograd carries their
         gradients on to the wrappers), else the leaves its graph reaches."""
         head = self.lm.get_output_embeddings()
-        return [head.weight, head.bias] if _plain(head) else _trainable_leaves(self, hidden[:1])
+        return [head.weight, head.bias] if self.plain_head else _trainable_leaves(self, hidden[:1])
 
     @torch.no_grad()
     def _no_grad_logps(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -217,7 +220,7 @@ class TokenLoss:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
         head = self.lm.get_output_embeddings()
-        if not _plain(head):  # Liger reads the weight directly: a wrapper's own math would be lost
+        if not self.plain_head:  # Liger reads the weight directly: a wrapper's own math would be lost
             raise ConfigError(f"train.loss_impl=liger needs a plain nn.Linear output layer, not {type(head).__name__}"
                               "; use train.loss_impl=chunked")
         fused = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="sum", softcap=self.softcap)
@@ -243,16 +246,12 @@ def _trainable_leaves(loss: TokenLoss, probe: torch.Tensor) -> list[torch.Tensor
     return leaves
 
 
-def _plain(head: nn.Module) -> bool:
-    return type(head) is nn.Linear
-
-
 def _head_grads(loss: TokenLoss, hidden: torch.Tensor, targets: torch.Tensor, leaves: list[torch.Tensor],
                 weights: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Chunk by chunk: the log-probs of targets under head_logits(hidden), and the gradients of
     sum(weights x log-probs) w.r.t. the hidden rows and the head's leaves (weights None: all -1, i.e. the
     summed cross-entropy's). Only one chunk's logits exist at a time."""
-    if _plain(loss.lm.get_output_embeddings()):
+    if loss.plain_head:
         return _linear_head_grads(loss, hidden, targets, *leaves, weights)
     grad_hidden = torch.zeros_like(hidden)
     grad_leaves = [None] * len(leaves)

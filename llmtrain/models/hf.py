@@ -10,6 +10,7 @@ import json
 import math
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,9 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from llmtrain.models import attention
 from llmtrain.config import ConfigError, ModelConfig
 from llmtrain.models.lora import base_name
+
+if TYPE_CHECKING:
+    from llmtrain.parallelize import Strategy
 
 WEIGHTS_INDEX = "model.safetensors.index.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -277,12 +281,12 @@ def _check_complete(wanted, files: dict[str, Path], config: PretrainedConfig) ->
                           f"({len(missing)} tensors); is this a {config.model_type} checkpoint?")
 
 
-def load_weights(model: nn.Module, section: ModelConfig, config: PretrainedConfig, seed: int,
+def load_weights(model: nn.Module, strategy: Strategy, section: ModelConfig, config: PretrainedConfig, seed: int,
                  adapters: dict[str, torch.Tensor] | None = None) -> None:
     """Fill the parallelized (empty) model. Host RAM per rank is its shards plus one tensor (fsdp: one
     unit) in flight: it does not grow with the number of ranks. `adapters`: LoRA's {name: full tensor}."""
     path = Path(section.path) if section.path is not None else None
-    if isinstance(model, FSDP):
+    if strategy.loads_by_unit:
         _load_fsdp1_units(model, path, config, seed, adapters or {})
     else:
         _load_slices(model, path, config, seed, adapters or {})

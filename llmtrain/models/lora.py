@@ -19,12 +19,16 @@ import math
 import re
 import zlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from llmtrain.config import ConfigError, LoraConfig
+
+if TYPE_CHECKING:
+    from llmtrain.parallelize import Strategy
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -273,7 +277,7 @@ def write_adapter(trained: dict[str, torch.Tensor], out: Path, section: LoraConf
     publish(tmp, out)
 
 
-def export(model: nn.Module, strategy: str, device: torch.device, output_dir: Path, step_dir: str,
+def export(model: nn.Module, strategy: Strategy, device: torch.device, output_dir: Path, step_dir: str,
            section: LoraConfig, base_path: str | None, model_config, tokenizer, dtype: torch.dtype,
            max_shard_size: str) -> list[Path]:
     """Collective. output_dir/adapter[/step_dir] (PEFT) and/or output_dir/hf[/step_dir] (merged), as

@@ -59,7 +59,7 @@ def build_model(cfg: Config, env: distributed.DistEnv, tokenizer, model_config, 
     mesh = distributed.build_mesh(env, cfg.parallel.replicate)
     model = parallelize.parallelize(model, cfg.parallel, plan, mesh, env.device)
     if not resuming or cfg.lora.enabled:
-        model_lib.load_weights(model, cfg.model, model_config, cfg.train.seed, adapters)
+        model_lib.load_weights(model, plan.strategy, cfg.model, model_config, cfg.train.seed, adapters)
     return model, plan, mesh, n_params, n_trained, no_decay, params_line
 
 
@@ -95,9 +95,9 @@ def build(cfg: Config, env: distributed.DistEnv) -> Run:
     metrics = MetricsLogger(cfg.output_dir, env.is_main, cfg.train.max_steps, state.step, cfg.log.progress,
                             append=state.step > 0, section=cfg.log, run_config=cfg)
     metrics.info(f"model: {n_params / 1e6:.2f}M parameters | {env.world_size} x {env.device.type} "
-                 f"({env.backend}) | strategy {plan.strategy} ({plan.reason}) | {cfg.parallel.mixed_precision}")
+                 f"({env.backend}) | strategy {plan.strategy.name} ({plan.reason}) | {cfg.parallel.mixed_precision}")
     _, attn_why = attention.choose(cfg.model.attn_implementation, model_config)
-    metrics.info(f"{parallelize.describe(model, plan)} | attention {attn_why}")
+    metrics.info(f"{plan.strategy.describe(model)} | attention {attn_why}")
     if cfg.lora.enabled:
         metrics.info(f"lora: {params_line} | r={cfg.lora.r} alpha={cfg.lora.alpha:g} | base {cfg.lora.base_dtype}")
     token_loss = loss_lib.TokenLoss(cfg.train.loss_impl, model, env.device, cfg.train.loss_chunk_tokens)  # collective
@@ -141,9 +141,8 @@ def build_frozen(run: Run) -> torch.nn.Module:
     gradients, no optimizer state, in eval mode."""
     cfg, plan = run.cfg, run.plan
     model = model_lib.build_meta_model(run.model_config, cfg.model).requires_grad_(False)
-    if plan.strategy == "ddp":
-        plan = dataclasses.replace(plan, strategy="none")
+    plan = dataclasses.replace(plan, strategy=plan.strategy.frozen())
     model = parallelize.parallelize(model, cfg.parallel, plan, run.mesh, run.env.device)
-    model_lib.load_weights(model, cfg.model, run.model_config, cfg.train.seed)
+    model_lib.load_weights(model, plan.strategy, cfg.model, run.model_config, cfg.train.seed)
     model_lib.check_initialized(model)
     return model.eval()

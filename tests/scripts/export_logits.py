@@ -44,12 +44,10 @@ if env.is_main:
     save_file({"input_ids": probe, "logits": logits.contiguous()}, str(Path(cfg.output_dir) / "probe.safetensors"))
 if cfg.lora.enabled:  # the frozen base after training, by its model.path names, to compare bit for bit
     (Path(cfg.output_dir) / f"grads_rank{env.rank}.json").write_text(json.dumps(grads))
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
     from llmtrain.checkpoint import full_state_dict
     from llmtrain.models.lora import base_name, is_adapter
 
-    state = full_state_dict(model, "fsdp" if isinstance(model, FullyShardedDataParallel) else "", env.device)
+    state = full_state_dict(model, run.plan.strategy, env.device)
     if env.is_main:
         save_file({base_name(k): v.clone() for k, v in state.items() if not is_adapter(k) and ".modules_to_save." not in k},
                   str(Path(cfg.output_dir) / "frozen.safetensors"))

@@ -49,9 +49,9 @@ def run(family_dir: Path, strategy: str, env, mesh, out: Path) -> dict:
     pcfg = ParallelConfig(strategy=strategy)
     plan = parallelize.resolve(pcfg, sum(p.numel() for p in model.parameters()), env.world_size, env.device)
     model = parallelize.parallelize(model, pcfg, plan, mesh, env.device)
-    model_lib.load_weights(model, section, config, seed=0)
+    model_lib.load_weights(model, plan.strategy, section, config, seed=0)
     model_lib.check_initialized(model)
-    result = {"describe": parallelize.describe(model, plan)}
+    result = {"describe": plan.strategy.describe(model)}
     # Before any forward, as in the recipe: FSDP2 leaves the last layer's gathered parameters registered
     # after a forward, and an optimizer built then would update those copies.
     train = TrainConfig(lr=1e-3, weight_decay=0.1, max_steps=STEPS)
@@ -61,7 +61,7 @@ def run(family_dir: Path, strategy: str, env, mesh, out: Path) -> dict:
     ref_buffers = {name: b for name, b in reference.named_buffers()}
     buffer_diff = torch.tensor(max(max_diff(b, ref_buffers[model_lib.clean_name(n)]) for n, b in model.named_buffers()))
     result["buffer_diff"] = distributed.all_reduce(buffer_diff, dist.ReduceOp.MAX).item()
-    full = checkpoint.full_state_dict(model, strategy, env.device)
+    full = checkpoint.full_state_dict(model, plan.strategy, env.device)
     if env.is_main:
         ref_state = reference.state_dict()
         assert full.keys() <= ref_state.keys(), sorted(full.keys() - ref_state.keys())
@@ -83,7 +83,7 @@ def run(family_dir: Path, strategy: str, env, mesh, out: Path) -> dict:
 
     # The export reproduces the trained model's logits in transformers.
     export_dir = out / f"{family_dir.name}_{strategy}"
-    checkpoint.export_hf(model, strategy, env.device, export_dir, config, tokenizer)
+    checkpoint.export_hf(model, plan.strategy, env.device, export_dir, config, tokenizer)
     model.eval()
     probe = batch["input_ids"][:2]
     with torch.no_grad():
@@ -103,9 +103,9 @@ def meta_buffers_refused(family_dir: Path, env, mesh) -> str:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     pcfg = ParallelConfig(strategy="fsdp2")
-    model = parallelize.parallelize(model, pcfg, parallelize.resolve(pcfg, 0, env.world_size, env.device), mesh,
-                                    env.device)
-    model_lib.load_weights(model, section, config, seed=0)
+    plan = parallelize.resolve(pcfg, 0, env.world_size, env.device)
+    model = parallelize.parallelize(model, pcfg, plan, mesh, env.device)
+    model_lib.load_weights(model, plan.strategy, section, config, seed=0)
     try:
         model_lib.check_initialized(model)
     except FloatingPointError as e:
