@@ -232,9 +232,21 @@ class FSDP1(Sharded):
     def offloads_full_state(self, device):
         return device.type != "cpu"  # cpu_offload on CPU segfaults rank 0 (torch 2.13): every rank keeps a copy
 
+    def frozen(self):
+        # FSDP1 frees its root unit's gathered parameters only in backward, which a frozen copy never runs: it
+        # would hold the embeddings and output layer whole on every rank. FSDP2 on the same mesh does not.
+        return FSDP2(trained=False)
+
 
 class FSDP2(Sharded):
     name = "fsdp2"
+
+    def __init__(self, trained: bool = True):
+        # A trained model runs backward right after forward: its root (embeddings, final norm, output layer)
+        # and last layer stay gathered for it (resharding them would all-gather them twice per micro-batch;
+        # FSDP2's own default for a root). A frozen copy runs no backward: it reshards every unit after each
+        # forward, or it would keep them gathered for the whole run.
+        self.trained = trained
 
     def wrap(self, model, section, dtype, mesh, device):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -246,14 +258,14 @@ class FSDP2(Sharded):
         )
         layers = decoder_layers(model)
         for i, layer in enumerate(layers):
-            # The last layer's parameters are needed again at once by backward: keep them gathered.
-            fully_shard(layer, reshard_after_forward=section.reshard_after_forward and i < len(layers) - 1,
-                        **kwargs)
-        # The root (embeddings, final norm, output layer) is needed again as soon as backward starts: resharding
-        # it after forward would all-gather it twice per micro-batch (FSDP2's own default for a root).
-        fully_shard(model, reshard_after_forward=False, **kwargs)
+            keep = self.trained and (i == len(layers) - 1 or not section.reshard_after_forward)
+            fully_shard(layer, reshard_after_forward=not keep, **kwargs)
+        fully_shard(model, reshard_after_forward=not self.trained, **kwargs)
         materialize(model, torch.device("cpu") if section.cpu_offload else device)
         return model
+
+    def frozen(self):
+        return FSDP2(trained=False)
 
     def no_sync(self, model):
         model.set_requires_gradient_sync(False)

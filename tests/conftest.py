@@ -164,3 +164,13 @@ def two_rank_losses(tmp_path_factory) -> list[float]:
     out = tmp_path_factory.mktemp("two_ranks")
     run_recipe(out, *TWO_RANKS, nproc=2)
     return losses(out)
+
+
+@pytest.fixture
+def single_process_group():
+    """A real 1-rank gloo group, in this process (for library calls that run collectives)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from conftest import REPO, TINY, launch, read_metrics, run_recipe
@@ -204,14 +203,6 @@ def test_bad_records_are_counted_or_fail_with_file_and_line(tmp_path, tok):
     empty.write_text(json.dumps({"text": 3}) + "\n")
     with pytest.raises(ConfigError, match="yields no rows"):
         build(DataConfig(path=str(empty), seq_len=16), tok, seed=0)
-
-
-@pytest.fixture
-def single_process_group():
-    """A real 1-rank gloo group (the streaming steps all-reduce their 'ran out' flag)."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_streaming_resume_at_same_world_size_is_exact(tok, single_process_group):

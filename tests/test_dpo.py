@@ -163,6 +163,36 @@ def test_dpo_losses_match_across_strategies_ranks_and_accumulation(dpo_runs):
         assert margins(dpo_runs[name]) == pytest.approx(margins(dpo_runs["none"]), abs=TOL), name
 
 
+@pytest.mark.parametrize("policy", ["fsdp", "fsdp2"])
+def test_frozen_copy_gives_every_gathered_unit_back_after_forward(single_process_group, policy):
+    """A trained fsdp2 model keeps its root and last layer gathered after forward, for the backward that
+    follows; the reference (Strategy.frozen) runs no backward, so it keeps nothing gathered between forwards
+    (FSDP1 would hold its root unit whole until a backward: its frozen copy is FSDP2's)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from llmtrain.config import ParallelConfig
+    from llmtrain.parallelize import STRATEGIES
+
+    def gathered_after_forward(strategy) -> set[str]:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                                 num_hidden_layers=3, num_attention_heads=2))
+        model = strategy.wrap(model, ParallelConfig(strategy=policy), torch.float32, init_device_mesh("cpu", (1,)),
+                              torch.device("cpu"))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+            model(torch.zeros(1, 4, dtype=torch.long))
+        return {n.split(".weight")[0] for n, p in model.named_parameters() if not isinstance(p, DTensor)}
+
+    assert gathered_after_forward(STRATEGIES[policy].frozen()) == set()
+    if policy == "fsdp2":
+        assert gathered_after_forward(STRATEGIES["fsdp2"]) >= {"model.embed_tokens", "lm_head", "model.norm",
+                                                             "model.layers.2.mlp.up_proj"}
+
+
 @pytest.mark.slow
 def test_dpo_eval_is_the_training_formula_on_the_val_pairs_on_any_ranks(dpo_runs, base, val_pairs):  # noqa: F811
     """eval.every_steps: val_loss and val_* (TRL's names) at the last step equal the formulas on all 5 val pairs

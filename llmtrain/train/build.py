@@ -136,9 +136,10 @@ def export(run: Run, step_dir: str) -> list[Path]:
 
 
 def build_frozen(run: Run) -> torch.nn.Module:
-    """A frozen copy of model.path (e.g. DPO's reference), sharded like the policy on its mesh (fsdp, fsdp2),
-    or whole on each rank where the policy is replicated (ddp: nothing to synchronise without gradients); no
-    gradients, no optimizer state, in eval mode."""
+    """A frozen copy of model.path (e.g. DPO's reference), sharded on the policy's mesh where the policy is
+    (fsdp, fsdp2: with FSDP2, every unit given back after each forward, Strategy.frozen), or whole on each rank
+    where the policy is replicated (ddp: nothing to synchronise without gradients); no gradients, no optimizer
+    state, in eval mode."""
     cfg, plan = run.cfg, run.plan
     model = model_lib.build_meta_model(run.model_config, cfg.model).requires_grad_(False)
     plan = dataclasses.replace(plan, strategy=plan.strategy.frozen())
