@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from transformers import AutoTokenizer, BertConfig, BertForMaskedLM, LlamaConfig, LlamaModel, Qwen3Config
 
 from conftest import EXPORT_LOGITS, REPO, TINY, launch, losses, read_metrics, run_side_by_side

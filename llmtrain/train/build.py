@@ -15,7 +15,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from llmtrain import checkpoint, data, distributed, lock, optim, parallelize, preflight
 from llmtrain.models import attention, lora
 from llmtrain.losses import token as loss_lib
-from llmtrain import metrics as metrics_lib
 from llmtrain.models import hf as model_lib
 from llmtrain.config import Config, to_yaml
 from llmtrain.metrics import MetricsLogger
