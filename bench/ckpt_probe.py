@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from common import meta_model  # noqa: E402
+from common import tokenizer_and_config  # noqa: E402
 
 
 
@@ -40,18 +40,18 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
 
-    from llmtrain import checkpoint, distributed, optim, parallelize
-    from llmtrain.models import hf as model_lib
-    from llmtrain.config import CheckpointConfig, DistributedConfig, ModelConfig, TrainConfig
+    from llmtrain import checkpoint, distributed, export, optim
+    from llmtrain.config import CheckpointConfig, DistributedConfig, ModelConfig, ParallelConfig, TrainConfig
     from llmtrain.losses.token import token_loss_sum
+    from llmtrain.models.build import build_model
 
     env = distributed.init(DistributedConfig(preflight=False))
     section = ModelConfig(config=json.loads(args.shape))
-    tokenizer, model_config, model, n_params, no_decay, pcfg, plan = meta_model(section, args.strategy, env)
-    model = parallelize.parallelize(model, pcfg, plan, distributed.build_mesh(env, 1), env.device)
-    model_lib.load_weights(model, plan.strategy, section, model_config, 0)
+    tokenizer, model_config = tokenizer_and_config(section)
+    built = build_model(section, model_config, ParallelConfig(strategy=args.strategy), env, seed=0)
+    model, plan, n_params = built.model, built.plan, built.n_params
     tcfg = TrainConfig()
-    opt = optim.build_optimizer(model, tcfg, tcfg.lr, no_decay)
+    opt = optim.build_optimizer(model, tcfg, tcfg.lr, built.no_decay)
     ids = torch.randint(0, len(tokenizer), (1, 64), generator=torch.Generator().manual_seed(env.rank))
     token_loss_sum(model(input_ids=ids, use_cache=False).logits, ids).backward()
     opt.step()
@@ -76,7 +76,7 @@ def main() -> None:
     load_s = timed(lambda: resumed.append(manager.resume(checkpoint.choose_resume(manager.section, out_dir))))
     assert resumed[0] is not None and resumed[0].step == 1, resumed
     hf = args.dir / "hf"
-    export_s = timed(lambda: checkpoint.export_hf(model, plan.strategy, env.device, hf, model_config, tokenizer))
+    export_s = timed(lambda: export.export_hf(model, plan.strategy, env.device, hf, model_config, tokenizer))
     if env.is_main:
         result = {"n_params": n_params, "strategy": plan.strategy.name, "world_size": env.world_size,
                   "save_s": save_s, "load_s": load_s, "export_s": export_s, "checkpoint_bytes": total,

@@ -135,20 +135,13 @@ def fmt_bytes(n: float) -> str:
     return f"{n / 2**20:,.0f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
 
 
-def meta_model(section, strategy: str, env):
-    """The recipe's model set-up up to (not including) parallelize, for the probes:
-    (tokenizer, model_config, meta model, parameter count, no-decay names, ParallelConfig, Plan)."""
-    from llmtrain import optim, parallelize
+def tokenizer_and_config(section):
+    """The bundled tokenizer and `section`'s model config, as the recipe loads them (models.build.build_model
+    then builds the model)."""
     from llmtrain.models import hf as model_lib
-    from llmtrain.config import ParallelConfig
 
     tokenizer = model_lib.load_tokenizer(str(REPO / "assets" / "tokenizer"), False)
-    model_config = model_lib.load_model_config(section, tokenizer)
-    model = model_lib.build_meta_model(model_config, section)
-    n_params = sum(p.numel() for p in model.parameters())
-    pcfg = ParallelConfig(strategy=strategy)
-    plan = parallelize.resolve(pcfg, n_params, env.world_size, env.device)
-    return tokenizer, model_config, model, n_params, optim.no_decay_names(model), pcfg, plan
+    return tokenizer, model_lib.load_model_config(section, tokenizer)
 
 
 def pair_order(i: int) -> str:

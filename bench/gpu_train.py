@@ -46,17 +46,24 @@ class RandomSteps:
         return {"samples_seen": self.samples_seen}
 
 
-def train(cfg, env):
-    from llmtrain import train as trainer
-    from llmtrain.step import train_step
+def random_data_recipe():
+    """recipes/finetune.py's objective on random tokens (RandomSteps), without the export."""
+    from llmtrain.train.build import build
+    from llmtrain.train.loop import loop
+    from llmtrain.train.recipe import Recipe
+    from llmtrain.train.step import TokenObjective
 
-    run = trainer.build(cfg, env)
-    micro, accum = cfg.train.micro_batch_size, cfg.train.grad_accum_steps
-    steps = RandomSteps(len(run.tokenizer), cfg.data.seq_len, micro, accum, cfg.train.seed + env.rank,
-                        run.state.data.get("samples_seen", 0), run.global_batch)
-    return trainer.loop(run, steps, lambda batches: train_step(run.model, run.plan, batches, run.opt, run.scaler,
-                                                               cfg.train.max_grad_norm, env.device, env.world_size,
-                                                               run.token_loss), final_export=False)
+    class RandomData(Recipe):
+        usage = __doc__
+
+        def train(self, cfg, env):
+            self.run = run = build(cfg, env)
+            self.objective = TokenObjective(run.token_loss)
+            micro, accum = cfg.train.micro_batch_size, cfg.train.grad_accum_steps
+            steps = RandomSteps(len(run.tokenizer), cfg.data.seq_len, micro, accum, cfg.train.seed + env.rank,
+                                run.state.data.get("samples_seen", 0), run.global_batch)
+            return loop(run, steps, self.step, final_export=False)
+    return RandomData()
 
 
 def table(dirs: list[str], warmup_steps: int = 10) -> str:
@@ -101,11 +108,9 @@ def main() -> None:
         args = p.parse_args(sys.argv[2:])
         print(table(args.dirs, args.warmup))
         return
-    from llmtrain import train as trainer
-    from llmtrain.config import Config
     from llmtrain.distributed import hard_exit
 
-    hard_exit(trainer.main(sys.argv[1:], __doc__, Config, train))
+    hard_exit(random_data_recipe().main(sys.argv[1:]))
 
 
 if __name__ == "__main__":

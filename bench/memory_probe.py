@@ -3,12 +3,12 @@
     python bench/memory_probe.py --export DIR --shape JSON             # one process: a random model
     torchrun --standalone --nproc_per_node=2 bench/memory_probe.py --model DIR --strategy fsdp2 --out R.json
 
-The second form goes through the recipe's own pieces (llmtrain.models.hf / parallelize / optim / loss):
-meta model -> parallelize -> load_weights from DIR (fsdp2/ddp: each rank reads the slices its
+The second form goes through the recipe's own pieces (llmtrain.models.build / optim / loss):
+models.build.build_model from DIR (fsdp2/ddp: each rank reads the slices its
 parameters cover; fsdp: one unit at a time is gathered and filled with whole tensors) -> AdamW -> one
 training step. Per rank it reports:
 
-  load_peak_bytes    VmHWM during parallelize + load_weights minus the RSS just before (VmHWM is
+  load_peak_bytes    VmHWM during build_model (parallelize + load) minus the RSS just before (VmHWM is
                      reset there through /proc/self/clear_refs), and the same for RssAnon sampled
                      every 2 ms (file pages mapped by safetensors count in VmHWM, not in RssAnon)
   params/grads/optim_bytes  the sum of this rank's local tensor bytes: DTensor local shards (FSDP2),
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from common import meta_model, proc_status, reset_peak_rss  # noqa: E402
+from common import tokenizer_and_config, proc_status, reset_peak_rss  # noqa: E402
 
 
 def export(out: Path, shape: dict, seed: int) -> None:
@@ -100,23 +100,22 @@ def training_state_bytes(model, strategy: str, opt=None) -> tuple[int, int, int]
 def probe(args) -> None:
     import torch.distributed as dist
 
-    from llmtrain import distributed, optim, parallelize
-    from llmtrain.models import hf as model_lib
-    from llmtrain.config import DistributedConfig, ModelConfig, TrainConfig
+    from llmtrain import distributed, optim
+    from llmtrain.config import DistributedConfig, ModelConfig, ParallelConfig, TrainConfig
     from llmtrain.losses.token import token_loss_sum
+    from llmtrain.models.build import build_model
 
     env = distributed.init(DistributedConfig(preflight=False))
     section = ModelConfig(path=str(args.model))
-    tokenizer, model_config, model, n_params, no_decay, pcfg, plan = meta_model(section, args.strategy, env)
-    mesh = distributed.build_mesh(env, 1)
+    tokenizer, model_config = tokenizer_and_config(section)
     dist.barrier()
 
     # Loading: everything from the empty (meta) model to weights in place.
     before = proc_status()
     hwm_reset = reset_peak_rss()
     with AnonPeak() as anon:
-        model = parallelize.parallelize(model, pcfg, plan, mesh, env.device)
-        model_lib.load_weights(model, plan.strategy, section, model_config, 0)
+        built = build_model(section, model_config, ParallelConfig(strategy=args.strategy), env, seed=0)
+    model, plan, n_params, no_decay = built.model, built.plan, built.n_params, built.no_decay
     after = proc_status()
     dist.barrier()
     params_loaded, _, _ = training_state_bytes(model, args.strategy)

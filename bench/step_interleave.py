@@ -38,24 +38,23 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=20)
     args = p.parse_args()
 
-    from llmtrain.step import train_step
-    from llmtrain import data, distributed, optim, parallelize
-    from llmtrain.models import hf as model_lib
-    from llmtrain.losses.token import TokenLoss
+    from llmtrain import data, distributed, optim
     from llmtrain.config import load_config
+    from llmtrain.losses.token import TokenLoss
+    from llmtrain.models import hf as model_lib
+    from llmtrain.models.build import build_model
+    from llmtrain.train.step import Stepper, TokenObjective, accumulate
 
     cfg = load_config(args.config, ["distributed.preflight=false"])
     env = distributed.init(cfg.distributed)
     tok = model_lib.load_tokenizer(cfg.tokenizer.path, False)
     mc = model_lib.load_model_config(cfg.model, tok)
-    model = model_lib.build_meta_model(mc, cfg.model)
-    no_decay = optim.no_decay_names(model)
-    plan = parallelize.resolve(cfg.parallel, sum(p.numel() for p in model.parameters()), env.world_size, env.device)
-    model = parallelize.parallelize(model, cfg.parallel, plan, distributed.build_mesh(env, 1), env.device)
-    model_lib.load_weights(model, plan.strategy, cfg.model, mc, cfg.train.seed)
+    policy = build_model(cfg.model, mc, cfg.parallel, env, cfg.train.seed)
+    model = policy.model
     model.train()
-    opt = optim.build_optimizer(model, cfg.train, cfg.train.lr, no_decay)
-    losses = {impl: TokenLoss(impl, model, env.device) for impl in ("chunked", "full")}
+    opt = optim.build_optimizer(model, cfg.train, cfg.train.lr, policy.no_decay)
+    stepper = Stepper(model, policy.plan, opt, None, cfg.train.max_grad_norm, env.device, env.world_size)
+    objectives = {impl: TokenObjective(TokenLoss(impl, model, env.device)) for impl in ("chunked", "full")}
     built = data.build(cfg.data, tok, cfg.train.seed, env.is_main, env.rank, env.world_size)
     micro, seq = cfg.train.micro_batch_size, cfg.data.seq_len
     steps = data.make_steps(built, micro, cfg.train.grad_accum_steps, env.world_size, env.rank, cfg.train.seed,
@@ -68,8 +67,7 @@ def main() -> None:
         batches = next(steps)
         if positions is not None:
             batches = [{**b, "position_ids": positions} for b in batches]
-        train_step(model, plan, batches, opt, None, cfg.train.max_grad_norm, env.device, env.world_size,
-                   losses[impl])
+        accumulate(stepper, batches, objectives[impl])
         distributed.any_rank(False, False, device=env.device)
 
     def bare_step(ids, positions=None):

@@ -1,13 +1,14 @@
-"""Everything saved. CheckpointManager owns the sharded training checkpoints (DCP: model, optimizer;
-JSON: step, data cursor, per-rank RNG; the resolved config), published atomically by rename. The
-consolidated Hugging Face export: rank 0 receives the full state dict on CPU tensor by tensor and
-writes safetensors + config + tokenizer into a temporary directory, also published by rename.
+"""Training checkpoints (DCP only; the Hugging Face and PEFT exports are llmtrain.export). CheckpointManager
+saves, verifies and resumes every piece of training state: model and optimizer (DCP), the TrainState (step,
+data cursor, ...), per-rank RNG, and any stateful object a recipe registers (`register`); published
+atomically by rename.
 
 Layout of output_dir/checkpoints/step_<N>/ (complete once renamed from step_<N>.tmp):
     .metadata, __*_*.distcp   DCP shards: {"model": ..., "optim": ...}
     manifest.json             size and xxh3_64 hash of every other file, checked before a resume
     trainer_state.json        step, samples_seen, tokens_seen, global_batch, world_size, ... (written last)
     rng_rank<R>.json          per-rank RNG states
+    state/<name>.json         a registered object's state (state/<name>_rank<R>.json: one per rank)
     config.yaml               the llmtrain config of the run
     hf_config/                model config + tokenizer, so the offline converter needs nothing else
 """
@@ -24,100 +25,25 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from llmtrain.config import CheckpointConfig, ConfigError
-from llmtrain.models.hf import WEIGHTS_FILE, WEIGHTS_INDEX, clean_name
-
-if TYPE_CHECKING:
-    from llmtrain.parallelize import Strategy
+from llmtrain.parallelize import without_frozen
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"
 MANIFEST = "manifest.json"
 HASH = "xxh3_64"
 HF_CONFIG_DIR = "hf_config"
+STATE_DIR = "state"  # registered objects' JSON
 # DCP's load fails on any key of these missing from the checkpoint, so set_state_dict may be non-strict.
 SAVED = StateDictOptions(ignore_frozen_params=True)
-
-
-def full_state_dict(model: nn.Module, strategy: Strategy, device: torch.device,
-                    trainable_only: bool = False) -> dict[str, torch.Tensor]:
-    """Every rank must call this (it gathers shards); the tensors are on rank 0's CPU (the strategy may have
-    every rank gather a copy on the way, Strategy.offloads_full_state)."""
-    offload = strategy.offloads_full_state(device)
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=offload,
-                                                                 ignore_frozen_params=trainable_only))
-    if trainable_only:
-        state = without_frozen(model, state)
-    return {k: v.detach().cpu() for k, v in state.items()} if dist.get_rank() == 0 else {}
-
-
-def without_frozen(model: nn.Module, state: dict) -> dict:
-    """ignore_frozen_params drops a frozen parameter under one name only: a tied output embedding would
-    still be saved under the other (torch 2.13)."""
-    frozen = {clean_name(n) for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
-    return {k: v for k, v in state.items() if k not in frozen}
-
-
-def publish(tmp: Path, final: Path) -> None:
-    """Replace `final` by the complete `tmp`: a reader sees the old or the new directory, never half."""
-    old = final.with_name(final.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        for sub in final.glob("step_*"):  # keep the exports made during training (hf/step_<N>)
-            sub.rename(tmp / sub.name)
-        final.rename(old)
-    tmp.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def write_hf(state: dict[str, torch.Tensor], out: Path, config, tokenizer, dtype: torch.dtype,
-             max_shard_size: str = "5GB") -> None:
-    """A directory that transformers' from_pretrained loads with no llmtrain import. Never pickles."""
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
-    from transformers import GenerationConfig
-
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    state = {k: v.to(dtype).contiguous() for k, v in state.items()}
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    split = split_torch_state_dict_into_shards(state, filename_pattern="model{suffix}.safetensors",
-                                               max_shard_size=max_shard_size)
-    for filename, names in split.filename_to_tensors.items():
-        save_file({n: state[n] for n in names}, tmp / filename, metadata={"format": "pt"})
-    if split.is_sharded:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
-                 "weight_map": split.tensor_to_filename}
-        (tmp / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2))
-    else:
-        assert (tmp / WEIGHTS_FILE).is_file()
-    config = config.__class__.from_dict(config.to_dict())  # a copy: the live config stays as trained
-    config.dtype = dtype
-    config.use_cache = True
-    config.save_pretrained(tmp)
-    GenerationConfig.from_model_config(config).save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    publish(tmp, out)
-
-
-def export_hf(model: nn.Module, strategy: Strategy, device: torch.device, out: str | Path, config, tokenizer,
-              dtype: torch.dtype = torch.float32, max_shard_size: str = "5GB") -> None:
-    """Collective: all ranks gather, rank 0 writes, all ranks wait until the export is complete."""
-    state = full_state_dict(model, strategy, device)
-    if dist.get_rank() == 0:
-        write_hf(state, Path(out), config, tokenizer, dtype, max_shard_size)
-    dist.barrier()
 
 
 @dataclass
@@ -191,8 +117,23 @@ def digests(root: Path, names: list[str]) -> dict[str, dict]:
 
 
 def own_files(root: Path, rank: int) -> list[str]:
-    """The files this rank wrote into a checkpoint: its DCP shards (__<rank>_<i>.distcp) and RNG state."""
-    return sorted([p.name for p in root.glob(f"__{rank}_*.distcp")] + [f"rng_rank{rank}.json"])
+    """The files this rank wrote into a checkpoint: its DCP shards (__<rank>_<i>.distcp), RNG state and its
+    registered objects' per-rank state."""
+    return sorted([p.name for p in root.glob(f"__{rank}_*.distcp")] + [f"rng_rank{rank}.json"]
+                  + [f"{STATE_DIR}/{p.name}" for p in (root / STATE_DIR).glob(f"*_rank{rank}.json")])
+
+
+class Stateful(Protocol):
+    """What a recipe registers with the CheckpointManager: JSON-able state (e.g. a sampling RNG's seed and
+    position, a generation buffer's contents)."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+def _state_file(name: str, per_rank: bool, rank: int) -> str:
+    return f"{STATE_DIR}/{name}_rank{rank}.json" if per_rank else f"{STATE_DIR}/{name}.json"
 
 
 def verify(path: Path) -> list[str]:
@@ -314,6 +255,27 @@ class CheckpointManager:
         self.pending = None  # (future of this rank's file digests, tmp dir, final dir, state) of an async save
         self.hasher = ThreadPoolExecutor(max_workers=1)  # async saves: the digests are taken off the training thread
         self.last_save = time.monotonic()
+        self.registered: dict[str, tuple[Stateful, bool]] = {}
+
+    def register(self, name: str, obj: Stateful, per_rank: bool = False) -> None:
+        """Save obj.state_dict() with every checkpoint (per_rank: each rank's own, restored only at the same
+        world size, like the RNG) and give it back through obj.load_state_dict() on resume. Before resume()."""
+        if name in self.registered:
+            raise ValueError(f"checkpoint state {name!r} registered twice")
+        self.registered[name] = (obj, per_rank)
+
+    def _write_registered(self, tmp: Path) -> None:
+        for name, (obj, per_rank) in self.registered.items():
+            if per_rank or self.rank == 0:
+                file = tmp / _state_file(name, per_rank, self.rank)
+                file.parent.mkdir(exist_ok=True)
+                file.write_text(json.dumps(obj.state_dict()))
+
+    def _read_registered(self, path: Path, same_world: bool) -> None:
+        for name, (obj, per_rank) in self.registered.items():
+            file = path / _state_file(name, per_rank, self.rank)
+            if file.is_file() and (same_world or not per_rank):
+                obj.load_state_dict(json.loads(file.read_text()))
 
     # -- what to save -------------------------------------------------------------------------------
     def _tensors(self) -> dict:
@@ -342,6 +304,7 @@ class CheckpointManager:
                 tmp.mkdir(parents=True)
             dist.barrier()
             (tmp / f"rng_rank{self.rank}.json").write_text(json.dumps(_rng_state()))
+            self._write_registered(tmp)
             if self.section.async_:
                 future = dcp.async_save(self._tensors(), checkpoint_id=str(tmp))
                 hashed = self.hasher.submit(lambda: (future.result(), digests(tmp, own_files(tmp, self.rank)))[1])
@@ -416,7 +379,9 @@ class CheckpointManager:
                        optim_state_dict=tensors["optim"], options=StateDictOptions(ignore_frozen_params=True,
                                                                                     strict=False))
         state = TrainState(**json.loads((path / STATE_FILE).read_text()))
+        same_world = state.world_size == dist.get_world_size()
         rng = path / f"rng_rank{self.rank}.json"
-        if state.world_size == dist.get_world_size() and rng.is_file():
+        if same_world and rng.is_file():
             _set_rng_state(json.loads(rng.read_text()))
+        self._read_registered(path, same_world)
         return state

@@ -19,8 +19,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from llmtrain.checkpoint import HF_CONFIG_DIR, STATE_FILE, is_complete, verify, write_hf
-from llmtrain.parallelize import DTYPES
+from llmtrain.checkpoint import HF_CONFIG_DIR, STATE_FILE, is_complete, verify
+from llmtrain.config import ConfigError, load_config
+from llmtrain.export import write_adapter, write_hf
+from llmtrain.models import lora
+from llmtrain.utils import DTYPES
 
 PREFIX = "model."
 
@@ -54,17 +57,15 @@ def _convert_lora(ckpt: Path, trained: dict, out: Path, config, tokenizer, dtype
     base from model.path (the fingerprint recorded at training time must match) with the adapters merged."""
     from safetensors import safe_open
 
-    from llmtrain.models import lora
-    from llmtrain.config import ConfigError, load_config
-
     cfg = load_config(ckpt / "config.yaml")
+    saved = json.loads((ckpt / STATE_FILE).read_text()).get("base") or {}
     try:
-        lora.check_resume(ckpt, lora.fingerprint(cfg.model.path, cfg.model.config, cfg.train.seed))
+        lora.check_resume(ckpt, saved, lora.fingerprint(cfg.model.path, cfg.model.config, cfg.train.seed))
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
     written = []
     if cfg.lora.export in ("adapter", "both"):
-        lora.write_adapter(trained, out / "adapter", cfg.lora, cfg.model.path)
+        write_adapter(trained, out / "adapter", cfg.lora, cfg.model.path)
         written.append(out / "adapter")
     if cfg.lora.export in ("merged", "both"):
         if cfg.model.path is None:

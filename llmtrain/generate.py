@@ -63,7 +63,7 @@ def load(model_dir: str, device: str = "auto", dtype: str = "auto"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from llmtrain.parallelize import DTYPES as TORCH_DTYPES
+    from llmtrain.utils import DTYPES as TORCH_DTYPES
 
     hf_logging.disable_progress_bar()  # stdout/stderr carry the completion and errors only
     if device == "auto":

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from llmtrain.config import TrainConfig
-from llmtrain.models.hf import clean_name
+from llmtrain.models.names import clean_name
 
 
 def peak_lr(section: TrainConfig, dp_size: int) -> float:

@@ -1,7 +1,8 @@
 """parallelize(): one entry that applies, in a fixed order, one small function per technique:
 activation checkpointing -> compile -> the strategy's wrap. A Strategy (one subclass per name: none, ddp,
-fsdp, fsdp2) holds everything else that differs between them: gradient-sync suppression, clipping, autocast
-and loss scaling, how the full state dict is gathered, how weights are loaded and how a frozen copy is wrapped."""
+fsdp, fsdp2) holds everything else that differs between them: how weights are loaded, how the full state dict
+is gathered, gradient-sync suppression, clipping, autocast and loss scaling, and how a frozen copy is wrapped.
+Nothing outside this module asks which strategy runs: it calls the Strategy's methods."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import contextlib
 import functools
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -16,11 +18,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from transformers import PretrainedConfig
+
 from llmtrain.config import ConfigError, ParallelConfig
 from llmtrain.models import hf as model_lib
-from llmtrain.models.hf import decoder_layer_classes, decoder_layers, release_freed_memory
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from llmtrain.models.hf import decoder_layer_classes, decoder_layers
+from llmtrain.models.names import clean_name
+from llmtrain.utils import DTYPES, release_freed_memory
 # fp32 params + grads + two AdamW moments; activations and temporaries need the rest.
 TRAIN_BYTES_PER_PARAM = 16
 AUTO_DDP_FRACTION = 0.35
@@ -122,14 +127,29 @@ class Strategy:
     name: str
     # Mixed precision through torch.autocast; FSDP casts parameters through its own policy instead.
     autocasts = True
-    # FSDP1: models.hf.load_weights fills one gathered unit at a time instead of each rank's slices.
-    loads_by_unit = False
 
     def wrap(self, model: nn.Module, section: ParallelConfig, dtype: torch.dtype, mesh: DeviceMesh,
              device: torch.device) -> nn.Module:
         """Meta-device model in, materialized (empty) wrapped model out."""
         materialize(model, device)
         return model
+
+    def load(self, model: nn.Module, path: Path | None, config: PretrainedConfig, seed: int,
+             adapters: dict[str, torch.Tensor] | None = None) -> None:
+        """Fill the parallelized (empty) model from model.path (None: the seeded random init). Host RAM per rank
+        is its shards plus one tensor in flight: each rank reads only its own slices (models.hf.load_slices).
+        `adapters`: LoRA's {name: full tensor}, the same on every rank."""
+        model_lib.load_slices(model, path, config, seed, adapters or {})
+        release_freed_memory()
+
+    def full_state_dict(self, model: nn.Module, device: torch.device,
+                        trainable_only: bool = False) -> dict[str, torch.Tensor]:
+        """Collective (it gathers shards): the model's full state dict on rank 0's CPU ({} on other ranks)."""
+        state = get_model_state_dict(model, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=self.offloads_full_state(device), ignore_frozen_params=trainable_only))
+        if trainable_only:
+            state = without_frozen(model, state)
+        return {k: v.detach().cpu() for k, v in state.items()} if dist.get_rank() == 0 else {}
 
     def describe(self, model: nn.Module) -> str:
         """What was wrapped, for the start-up log: e.g. `ddp: whole model (2 x LlamaDecoderLayer)`."""
@@ -150,7 +170,7 @@ class Strategy:
         return torch.amp.GradScaler(device.type)
 
     def offloads_full_state(self, device: torch.device) -> bool:
-        """Whether a full state dict is gathered onto rank 0's CPU only (checkpoint.full_state_dict)."""
+        """Whether full_state_dict gathers onto rank 0's CPU only (else every rank gathers a copy on the way)."""
         return True
 
     def frozen(self) -> Strategy:
@@ -172,7 +192,7 @@ class DDP(Strategy):
         from torch.nn.parallel import DistributedDataParallel
 
         materialize(model, device)
-        # DDP broadcasts rank 0's (still uninitialised) parameters; load_weights then fills every rank alike.
+        # DDP broadcasts rank 0's (still uninitialised) parameters; load() then fills every rank alike.
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
     def no_sync(self, model):
@@ -197,7 +217,11 @@ class Sharded(Strategy):
 
 class FSDP1(Sharded):
     name = "fsdp"
-    loads_by_unit = True
+
+    def load(self, model, path, config, seed, adapters=None):
+        # One gathered unit at a time: FSDP1's own sharded load_state_dict would hold a whole model per rank.
+        model_lib.load_units(model, path, config, seed, adapters or {})
+        release_freed_memory()
 
     def wrap(self, model, section, dtype, mesh, device):
         from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
@@ -292,6 +316,13 @@ class FSDP2(Sharded):
 
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (Unwrapped(), DDP(), FSDP1(), FSDP2())}
+
+
+def without_frozen(model: nn.Module, state: dict) -> dict:
+    """ignore_frozen_params drops a frozen parameter under one name only: a tied output embedding would
+    still be saved under the other (torch 2.13)."""
+    frozen = {clean_name(n) for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in state.items() if k not in frozen}
 
 
 def _blocks(model: nn.Module) -> str:

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from llmtrain import distributed
-from llmtrain.models.hf import release_freed_memory
+from llmtrain.utils import release_freed_memory
 
 PIECE = 256  # pairs per file: what an interrupted pass loses at most
 Scorer = Callable[[dict], torch.Tensor]  # batch -> the reference's summed log-prob per row (chosen, then rejected)

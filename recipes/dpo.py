@@ -4,30 +4,26 @@
     torchrun --nproc_per_node=N recipes/dpo.py --config configs/demo-dpo.yaml [key.sub=value ...]
     python recipes/dpo.py --help-config                        # every key (finetune's plus dpo.*)
 
-The shared body (command line, model, optimizer, checkpoints, resume, preemption, loop, export) is
-llmtrain.train, as for recipes/finetune.py; what is this recipe's own: the dpo: section, the reference
-model, the step (one forward over a micro-batch's chosen and rejected rows, llmtrain.losses.preference) and eval.
+What is this recipe's own: the dpo: section, the reference (one factory: none, live or precomputed), the
+objective (one forward over a micro-batch's chosen and rejected rows, llmtrain.losses.preference) and eval;
+the rest is llmtrain.train's (llmtrain/train/recipe.py).
 """
 
-from __future__ import annotations
-
-import contextlib
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout, installed or not
 
-import torch  # noqa: E402
+import torch  # noqa: E402  (after the path line above)
 
-from llmtrain import data, distributed, parallelize, reference_cache  # noqa: E402
-from llmtrain.models import hf as model_lib, lora  # noqa: E402
-from llmtrain import train as trainer  # noqa: E402
+from llmtrain import data, distributed, reference_cache  # noqa: E402
+from llmtrain.config import ConfigError  # noqa: E402
 from llmtrain.losses import preference as pl  # noqa: E402
 from llmtrain.losses.preference import DPOConfig  # noqa: E402
-from llmtrain.config import ConfigError  # noqa: E402
-from llmtrain.losses.token import TokenLoss, trained_tokens  # noqa: E402
-from llmtrain.step import StepResult, update  # noqa: E402
-
+from llmtrain.models import hf as model_lib  # noqa: E402
+from llmtrain.train.build import base_identity, reference  # noqa: E402
+from llmtrain.train.recipe import Recipe  # noqa: E402
+from llmtrain.train.step import Share  # noqa: E402
 
 USAGE = """\
 Preference tuning (DPO / IPO / SimPO) with DDP, FSDP or FSDP2 on GPUs (NCCL) or CPUs (gloo).
@@ -47,105 +43,88 @@ val_loss and val_rewards/..., val_logps/... over the held-out pairs (data.val_pa
 """
 
 
-def check(cfg: DPOConfig) -> None:
-    """This recipe's set-up checks; the shared ones follow (llmtrain.train.setup)."""
-    try:
-        model_lib.check_paths(cfg.model, cfg.tokenizer.path)
-    except ConfigError as e:
-        raise ConfigError(f"{e} (recipes/dpo.py tunes an existing model; configs/demo-dpo.yaml starts from the SFT "
-                          "demo's export: run torchrun --standalone --nproc_per_node=2 recipes/finetune.py "
-                          "--config configs/demo.yaml first)") from None
-    d = cfg.dpo
-    pl.check(d.loss, d.beta, d.label_smoothing, d.gamma, d.sft_weight, d.precompute_reference)
-    formats = {s.format for s in cfg.data.sources} if cfg.data.sources else {cfg.data.format}
-    if formats != {"preference"}:
-        raise ConfigError(f"data.format: recipes/dpo.py trains on pairs: set data.format=preference (got "
-                          f"{', '.join(sorted(formats))})")
-    if d.precompute_reference and cfg.eval.every_steps:
-        raise ConfigError("dpo.precompute_reference covers the training pairs only, and eval.every_steps scores "
-                          "the validation pairs with the reference; set eval.every_steps=0 or "
-                          "dpo.precompute_reference=false")
-    if cfg.train.loss_impl == "liger":
-        raise ConfigError("train.loss_impl: recipes/dpo.py takes chunked (the default) or full; liger's fused "
-                          "kernel yields only a summed loss, not the per-token log-probs DPO needs")
-
-
-def pair_logps(model: torch.nn.Module, token_loss: TokenLoss, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_logps(model: torch.nn.Module, token_loss, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward over chosen and rejected rows -> (summed log-prob, trained tokens) per row, in fp32; with
     train.loss_impl=chunked no [rows x seq x vocab] logits exist."""
     return pl.sequence_logps(token_loss.token_logps(model, batch), batch["labels"])
 
 
-def train(cfg: DPOConfig, env: distributed.DistEnv) -> torch.nn.Module:
-    run = trainer.build(cfg, env)
-    model, plan, d = run.model, run.plan, cfg.dpo
+class DPO(Recipe):
+    config_cls = DPOConfig
+    usage = USAGE
+    rows = "pairs"
+    unit = "pairs"
 
-    def live_reference() -> reference_cache.Scorer:  # full fine-tuning: a frozen copy; LoRA: adapters off
-        reference = model if cfg.lora.enabled else trainer.build_frozen(run)
-        # A frozen copy gets its own output layer's TokenLoss, made here so that it is freed with the copy.
-        ref_loss = run.token_loss if reference is model else TokenLoss(
-            cfg.train.loss_impl, reference, env.device, cfg.train.loss_chunk_tokens)
+    def check(self, cfg: DPOConfig) -> None:
+        try:
+            model_lib.check_paths(cfg.model, cfg.tokenizer.path)
+        except ConfigError as e:
+            raise ConfigError(f"{e} (recipes/dpo.py tunes an existing model; configs/demo-dpo.yaml starts from the "
+                              "SFT demo's export: run torchrun --standalone --nproc_per_node=2 recipes/finetune.py "
+                              "--config configs/demo.yaml first)") from None
+        d = cfg.dpo
+        pl.check(d.loss, d.beta, d.label_smoothing, d.gamma, d.sft_weight, d.precompute_reference)
+        if d.precompute_reference and cfg.eval.every_steps:
+            raise ConfigError("dpo.precompute_reference covers the training pairs only, and eval.every_steps "
+                              "scores the validation pairs with the reference; set eval.every_steps=0 or "
+                              "dpo.precompute_reference=false")
+        if cfg.train.loss_impl == "liger":
+            raise ConfigError("train.loss_impl: recipes/dpo.py takes chunked (the default) or full; liger's fused "
+                              "kernel yields only a summed loss, not the per-token log-probs DPO needs")
 
-        def reference_logps(batch: dict) -> torch.Tensor:
-            off = lora.adapters_disabled(model) if cfg.lora.enabled else contextlib.nullcontext()
-            with torch.no_grad(), off, parallelize.autocast(plan, env.device):
-                return pair_logps(reference, ref_loss, batch)[0]
-        return reference_logps
+    def setup(self, run, built) -> None:
+        super().setup(run, built)
+        self.section, self.built, self.objective = run.cfg.dpo, built, self
+        self.reference_logps = self.reference(run, built)
 
-    has_reference = d.loss not in pl.REFERENCE_FREE
-    reference_logps = live_reference() if has_reference and not d.precompute_reference else None
-    run.metrics.info(f"dpo: loss {d.loss}, beta {d.beta:g}, reference "
-                     + ("none" if not has_reference else "adapters off" if cfg.lora.enabled else "frozen copy")
-                     + (", precomputed" if d.precompute_reference else ""))
-    built, steps = trainer.data_steps(run, pairs=True)
-    if d.precompute_reference:  # scored once (or read back) here; no reference model during training
-        base = run.state.base or lora.fingerprint(cfg.model.path, cfg.model.config, cfg.train.seed)  # LoRA: build's
-        where = reference_cache.directory(
-            built.train, Path(cfg.output_dir), seq_len=cfg.data.seq_len, compute=cfg.parallel.mixed_precision,
-            weights=base["fingerprint"],
-            weights_dtype=cfg.lora.base_dtype if cfg.lora.enabled else "fp32")
-        reference_logps = reference_cache.precompute(where, len(built.train), lambda p: data.pairs_batch(built, p),
-                                                     cfg.train.micro_batch_size, live_reference, env, run.metrics.info)
+    def reference(self, run, built):
+        """batch -> the reference's summed log-prob per row, or None (reference-free): live (a frozen copy, or
+        the policy with adapters off), or precomputed once over every training pair and looked up."""
+        d, cfg = self.section, run.cfg
+        if d.loss in pl.REFERENCE_FREE:
+            run.metrics.info(f"dpo: loss {d.loss}, beta {d.beta:g}, reference none")
+            return None
 
-    def step(batches: list[dict]) -> StepResult:
-        batches = [{k: v.to(env.device, non_blocking=True) for k, v in b.items()} for b in batches]
-        # The step's denominators (pairs, chosen tokens) over every micro-batch and rank, before any forward.
-        totals = distributed.all_reduce(torch.stack([pl.pair_counts(b["labels"]) for b in batches]).sum(0))
-        n_tokens = int(distributed.all_reduce(sum(trained_tokens(b["labels"]) for b in batches)).item())
-        loss_sum = torch.zeros((), device=env.device)
-        summed = torch.zeros(len(pl.METRICS), device=env.device)
-        for i, batch in enumerate(batches):
-            ref = reference_logps(batch) if reference_logps is not None else None
-            with parallelize.grad_sync(model, plan, enabled=i == len(batches) - 1):
-                with parallelize.autocast(plan, env.device):
-                    logps, lengths = pair_logps(model, run.token_loss, batch)
-                sums = pl.preference_sums(logps, lengths, ref, d.loss, d.beta, d.label_smoothing, d.gamma)
-                part = pl.objective(sums, totals, d.sft_weight)
-                # Data-parallel wrappers average gradients over ranks: x world size makes them the global mean's.
-                (run.scaler.scale(part * env.world_size) if run.scaler else part * env.world_size).backward()
-            loss_sum += part.detach()
-            summed += sums.metrics
-        loss = distributed.all_reduce(loss_sum).item()
-        extra = pl.metrics(distributed.all_reduce(summed), int(totals[0]))
-        grad_norm, ok = update(model, plan, run.opt, run.scaler, cfg.train.max_grad_norm, loss)
-        return StepResult(loss, grad_norm, n_tokens, ok, extra)
+        def live():
+            ref = reference(run)
+            run.metrics.info(f"dpo: loss {d.loss}, beta {d.beta:g}, reference {ref.kind}"
+                             + (", precomputed" if d.precompute_reference else ""))
+            return lambda batch: ref.logps(lambda model, token_loss: pair_logps(model, token_loss, batch)[0])
 
-    def evaluate(at_step: int) -> None:
-        def logps(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-            with parallelize.autocast(plan, env.device):
-                return (*pair_logps(model, run.token_loss, batch),
-                        reference_logps(batch) if reference_logps is not None else None)
+        if not d.precompute_reference:
+            return live()
+        where = reference_cache.directory(built.train, Path(cfg.output_dir), seq_len=cfg.data.seq_len,
+                                          compute=cfg.parallel.mixed_precision, **base_identity(run))
+        return reference_cache.precompute(where, len(built.train), lambda p: data.pairs_batch(built, p),
+                                          cfg.train.micro_batch_size, live, run.env, run.metrics.info)
 
-        batches = data.eval_batches(built.val, cfg.train.micro_batch_size, env.world_size, env.rank,
-                                    cfg.eval.max_batches, built.collate)
-        run.metrics.log({"step": at_step, **pl.evaluate(model, batches, logps, env.device, d)})
+    # -- the objective: sums over a micro-batch's pairs / global pairs and chosen tokens ----------------
+    def counts(self, batch: dict) -> torch.Tensor:
+        return pl.pair_counts(batch["labels"])
 
-    return trainer.loop(run, steps, step, evaluate)
+    def share(self, model, batch: dict, totals: torch.Tensor) -> Share:
+        ref = self.reference_logps(batch) if self.reference_logps is not None else None
+        logps, lengths = pair_logps(model, self.run.token_loss, batch)
+        d = self.section
+        sums = pl.preference_sums(logps, lengths, ref, d.loss, d.beta, d.label_smoothing, d.gamma)
+        part = pl.objective(sums, totals[1:], d.sft_weight)
+        return Share(part, torch.cat([part.detach().reshape(1), sums.metrics]))
 
+    def report(self, metrics: torch.Tensor, totals: torch.Tensor) -> tuple[float, dict]:
+        return metrics[0].item(), pl.metrics(metrics[1:], int(totals[1]))
 
-def main(argv: list[str] | None = None) -> int:
-    return trainer.main(argv, USAGE, DPOConfig, train, check)
+    def evaluate(self, at_step: int) -> dict:
+        run, cfg = self.run, self.run.cfg
+
+        def logps(batch: dict):
+            with run.autocast():
+                return (*pair_logps(run.model, run.token_loss, batch),
+                        self.reference_logps(batch) if self.reference_logps is not None else None)
+
+        batches = data.eval_batches(self.built.val, cfg.train.micro_batch_size, run.env.world_size, run.env.rank,
+                                    cfg.eval.max_batches, self.built.collate)
+        return pl.evaluate(run.model, batches, logps, run.env.device, self.section)
 
 
 if __name__ == "__main__":
-    distributed.hard_exit(main())
+    distributed.hard_exit(DPO().main())

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import EXPORT_LOGITS, RECIPE, TINY, launch, losses, losses_by_step, run_recipe, run_side_by_side
 from llmtrain import metrics
-from llmtrain.models import lora
+from llmtrain.models import lora, names
 from llmtrain.config import ConfigError, load_config
 from llmtrain.models.hf import build_meta_model, load_model_config, load_tokenizer
 from test_export import assert_export_matches
@@ -120,7 +120,7 @@ def test_lora_base_unchanged_and_exports_give_trained_logits(lora_runs, base, na
     ranks = [json.loads(f.read_text()) for f in sorted(out.glob("grads_rank*.json"))]
     assert len(ranks) == (1 if name == "none" else 2)
     trained = set(ranks[0]["trained"])
-    assert all(lora.is_adapter(k) for k in trained) and len(trained) == len(adapter)
+    assert all(names.is_adapter(k) for k in trained) and len(trained) == len(adapter)
     for rank in ranks:
         assert set(rank["with_grad"]) <= trained and rank["optimizer_holds_trained"], rank
     assert set().union(*(r["with_grad"] for r in ranks)) == trained
@@ -160,7 +160,7 @@ def test_lora_resume_refuses_another_base_or_lora_off(tmp_path, lora_runs, base)
     res = run_recipe(tmp_path / "run", *lora_args(other, f"checkpoint.resume={ckpt}"), check=False, torchrun=False)
     assert res.returncode == 2 and "was trained on the base" in res.stderr, res.stderr[-2000:]
     with pytest.raises(ConfigError, match="holds LoRA adapters only; set lora.enabled=true"):
-        lora.check_resume(ckpt, {})  # LoRA off: no base fingerprint
+        lora.check_resume(ckpt, json.loads((ckpt / "trainer_state.json").read_text())["base"], {})  # LoRA off
 
 
 @pytest.mark.slow

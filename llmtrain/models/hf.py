@@ -5,12 +5,10 @@ uninitialised."""
 from __future__ import annotations
 
 import collections
-import ctypes
 import json
 import math
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -25,18 +23,15 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from llmtrain.models import attention
 from llmtrain.config import ConfigError, ModelConfig
-from llmtrain.models.lora import base_name
-
-if TYPE_CHECKING:
-    from llmtrain.parallelize import Strategy
+from llmtrain.models import attention
+from llmtrain.models.names import base_name, clean_name
+from llmtrain.utils import release_freed_memory
 
 WEIGHTS_INDEX = "model.safetensors.index.json"
 WEIGHTS_FILE = "model.safetensors"
 # config.json "architectures" that are causal LMs (transformers' naming: LlamaForCausalLM, GPT2LMHeadModel).
 CAUSAL_LM_CLASS = re.compile(r"(ForCausalLM|LMHeadModel)$")
-WRAPPER_PARTS = re.compile(r"(^|\.)(module|_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)(?=\.)")
 
 
 def check_paths(section: ModelConfig, tokenizer_path: str | None) -> None:
@@ -158,11 +153,6 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, classes)]
 
 
-def clean_name(name: str) -> str:
-    """A parameter name without the segments DDP, FSDP1, checkpointing or compile insert."""
-    return WRAPPER_PARTS.sub("", name).lstrip(".")
-
-
 def _weight_files(path: Path) -> dict[str, Path]:
     """{tensor name: safetensors file} for model.path, from the index or the file's header."""
     index = path / WEIGHTS_INDEX
@@ -181,7 +171,7 @@ def _random_init(config: PretrainedConfig, seed: int) -> dict[str, torch.Tensor]
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).state_dict()
 
 
-def _load_slices(model: nn.Module, path: Path | None, config: PretrainedConfig, seed: int,
+def load_slices(model: nn.Module, path: Path | None, config: PretrainedConfig, seed: int,
                  adapters: dict[str, torch.Tensor]) -> None:
     """fsdp2, ddp, none: fill the parameters (local DTensor shards or whole tensors) in place. From model.path
     every rank reads only the slices its shards cover (DCP's HuggingFaceStorageReader); a random init is
@@ -230,7 +220,7 @@ def _fill(target: torch.Tensor, src: torch.Tensor, src_rank: int | None) -> None
         target.copy_(src)
 
 
-def _load_fsdp1_units(model: nn.Module, path: Path | None, config: PretrainedConfig, seed: int,
+def load_units(model: nn.Module, path: Path | None, config: PretrainedConfig, seed: int,
                       adapters: dict[str, torch.Tensor]) -> None:
     """fsdp: one FSDP unit at a time is gathered (summon_full_params), filled with full tensors and written
     back to the shards. FSDP1's own sharded load_state_dict would hold a whole copy of the model per rank."""
@@ -279,27 +269,6 @@ def _check_complete(wanted, files: dict[str, Path], config: PretrainedConfig) ->
     if missing:
         raise ConfigError(f"model.path: weights missing for {sorted(missing)[:5]} "
                           f"({len(missing)} tensors); is this a {config.model_type} checkpoint?")
-
-
-def load_weights(model: nn.Module, strategy: Strategy, section: ModelConfig, config: PretrainedConfig, seed: int,
-                 adapters: dict[str, torch.Tensor] | None = None) -> None:
-    """Fill the parallelized (empty) model. Host RAM per rank is its shards plus one tensor (fsdp: one
-    unit) in flight: it does not grow with the number of ranks. `adapters`: LoRA's {name: full tensor}."""
-    path = Path(section.path) if section.path is not None else None
-    if strategy.loads_by_unit:
-        _load_fsdp1_units(model, path, config, seed, adapters or {})
-    else:
-        _load_slices(model, path, config, seed, adapters or {})
-    release_freed_memory()
-
-
-def release_freed_memory() -> None:
-    """FSDP1 materializes and unshards unit by unit; glibc keeps the freed unit-sized blocks in its heap,
-    so RSS would stay at the transient peak. Give them back to the OS (a no-op elsewhere than glibc)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def materialize(module: nn.Module, device: torch.device, recurse: bool = True) -> None:

@@ -1,14 +1,7 @@
 """LoRA with PEFT: adapters injected into the meta model before parallelizing (so every strategy wraps
 them like any other parameter), their seeded init, the base fingerprint that checkpoints record, and the
-exports: output_dir/adapter in PEFT's format and output_dir/hf with the adapters merged in.
-
-Parameter names inside the training model are PEFT's in-place ones (`inject_adapter_in_model` keeps the
-transformers model class): `X.base_layer.weight`, `X.lora_A.default.weight`, and for modules_to_save
-`X.original_module.weight` + `X.modules_to_save.default.weight`. PEFT's files name the same tensors
-`base_model.model.X.lora_A.weight` and `base_model.model.X.weight` (peft_key).
-
-QLoRA (a 4-bit base through bitsandbytes/torchao) would go in `apply`: quantize the frozen base_layer
-weights after injection. It needs a GPU to test and is not done."""
+merge math the exports use (llmtrain.export writes output_dir/adapter and the merged output_dir/hf).
+Parameter names: llmtrain.models.names."""
 
 from __future__ import annotations
 
@@ -16,34 +9,21 @@ import contextlib
 import hashlib
 import json
 import math
-import re
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from llmtrain.config import ConfigError, LoraConfig
-
-if TYPE_CHECKING:
-    from llmtrain.parallelize import Strategy
+from llmtrain.models.names import ADAPTER, base_name, clean_name, is_adapter, is_trained_copy, peft_key
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-PEFT_PREFIX = "base_model.model."
-ADAPTER = "default"  # PEFT's adapter name; its files leave it out
 SMALL_FILE = 64 << 20  # fingerprint: safetensors files hashed whole up to this size
-_OURS = re.compile(rf"\.(lora_[AB])\.{ADAPTER}\.|\.modules_to_save\.{ADAPTER}\.")
 
 
-def peft_key(name: str) -> str:
-    """Our parameter name -> the key in PEFT's adapter_model.safetensors."""
-    return PEFT_PREFIX + _OURS.sub(lambda m: f".{m.group(1)}." if m.group(1) else ".", name)
-
-
-def _peft_config(section: LoraConfig):
+def peft_config(section: LoraConfig):
     import peft
 
     return peft.LoraConfig(r=section.r, lora_alpha=section.alpha, lora_dropout=section.dropout,
@@ -80,7 +60,7 @@ def apply(model: nn.Module, section: LoraConfig) -> nn.Module:
                           "(tie_word_embeddings=true), which a trained copy would untie; leave it out, or untie the "
                           "base first (save it with tie_word_embeddings=false and its own lm_head.weight) and list "
                           "both embeddings")
-    model = peft.inject_adapter_in_model(_peft_config(section), model, adapter_name=ADAPTER)
+    model = peft.inject_adapter_in_model(peft_config(section), model, adapter_name=ADAPTER)
     if section.base_dtype == "bf16":
         cast = {}  # by parameter: tied embeddings stay one tensor
         for module in model.modules():  # frozen tensors only: adapters and their optimizer state stay fp32
@@ -130,22 +110,11 @@ def _human(n: int) -> str:
     return str(n)
 
 
-def base_name(name: str) -> str:
-    """The base model's tensor name for one of our parameters (modules_to_save copies included)."""
-    return re.sub(rf"\.(base_layer|original_module|modules_to_save\.{ADAPTER})(?=\.)", "", name)
-
-
-def is_adapter(name: str) -> bool:
-    return ".lora_A." in name or ".lora_B." in name
-
-
 def initial_adapters(model: nn.Module, section: LoraConfig, seed: int) -> dict[str, torch.Tensor]:
     """{parameter name: full CPU tensor} for the adapters (and, from init_from, modules_to_save copies),
     computed alike on every rank: the same init for any world size and strategy. PEFT's default init:
     lora_A kaiming-uniform (each from its own generator seeded by seed and name), lora_B zero, so the model
     starts as the base. Fresh modules_to_save copies start as the base (the loader copies them)."""
-    from llmtrain.models.hf import clean_name
-
     wanted = {clean_name(n): p for n, p in model.named_parameters() if p.requires_grad}
     if section.init_from is not None:
         return _read_adapter(Path(section.init_from), wanted, section)
@@ -218,12 +187,10 @@ def fingerprint(model_path: str | None, model_config: dict | None, seed: int, sa
     return {"path": model_path, "fingerprint": h.hexdigest()[:16]}
 
 
-def check_resume(checkpoint: Path, current: dict) -> None:
+def check_resume(checkpoint: Path, saved: dict, current: dict) -> None:
     """A LoRA checkpoint holds no base: it resumes only with LoRA on (`current`, the base's fingerprint(),
-    is {} with LoRA off) and onto the base it was trained on."""
-    from llmtrain.checkpoint import STATE_FILE
-
-    saved = json.loads((checkpoint / STATE_FILE).read_text()).get("base") or {}
+    is {} with LoRA off) and onto the base it was trained on (`saved`: the checkpoint's record, {} for a
+    full model)."""
     if bool(saved) != bool(current):
         kind = "LoRA adapters only" if saved else "a full model"
         raise ConfigError(f"checkpoint.resume: {checkpoint} holds {kind}; set lora.enabled="
@@ -237,8 +204,8 @@ def check_resume(checkpoint: Path, current: dict) -> None:
 
 def merged_state(state: dict[str, torch.Tensor], section: LoraConfig) -> dict[str, torch.Tensor]:
     """A full (gathered) state dict of the training model -> base names, adapters merged in."""
-    base = {base_name(k): v for k, v in state.items() if not is_adapter(k) and ".modules_to_save." not in k}
-    return merge(base, {k: v for k, v in state.items() if is_adapter(k) or ".modules_to_save." in k}, section)
+    base = {base_name(k): v for k, v in state.items() if not is_adapter(k) and not is_trained_copy(k)}
+    return merge(base, {k: v for k, v in state.items() if is_adapter(k) or is_trained_copy(k)}, section)
 
 
 def merge(base: dict[str, torch.Tensor], trained: dict[str, torch.Tensor], section: LoraConfig) -> dict:
@@ -253,52 +220,6 @@ def merge(base: dict[str, torch.Tensor], trained: dict[str, torch.Tensor], secti
             target = base_name(name.replace(f".lora_A.{ADAPTER}.", ".base_layer."))
             out[target] = out[target] + (section.alpha / section.r) * (b @ t.float())
     return out
-
-
-def write_adapter(trained: dict[str, torch.Tensor], out: Path, section: LoraConfig, base_path: str | None) -> None:
-    """PEFT's layout (rank 0): adapter_config.json + adapter_model.safetensors, published by rename. The
-    config names the adapted modules one by one, as PEFT does after resolving all-linear."""
-    import shutil
-
-    from safetensors.torch import save_file
-
-    from llmtrain.checkpoint import publish
-
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({peft_key(n): t.float().contiguous() for n, t in trained.items()}, tmp / ADAPTER_WEIGHTS,
-              metadata={"format": "pt"})
-    config = _peft_config(section)
-    config.target_modules = sorted({n.split(".lora_A.")[0] for n in trained if ".lora_A." in n})
-    config.base_model_name_or_path = base_path
-    config.inference_mode = True
-    config.save_pretrained(str(tmp))
-    publish(tmp, out)
-
-
-def export(model: nn.Module, strategy: Strategy, device: torch.device, output_dir: Path, step_dir: str,
-           section: LoraConfig, base_path: str | None, model_config, tokenizer, dtype: torch.dtype,
-           max_shard_size: str) -> list[Path]:
-    """Collective. output_dir/adapter[/step_dir] (PEFT) and/or output_dir/hf[/step_dir] (merged), as
-    lora.export says; returns what was written."""
-    from llmtrain.checkpoint import full_state_dict, write_hf
-
-    written = []
-    if section.export in ("adapter", "both"):
-        adapters = full_state_dict(model, strategy, device, trainable_only=True)
-        out = output_dir / "adapter" / step_dir
-        if dist.get_rank() == 0:
-            write_adapter(adapters, out, section, base_path)
-        written.append(out)
-    if section.export in ("merged", "both"):
-        state = full_state_dict(model, strategy, device)
-        out = output_dir / "hf" / step_dir
-        if dist.get_rank() == 0:
-            write_hf(merged_state(state, section), out, model_config, tokenizer, dtype, max_shard_size)
-        written.append(out)
-    dist.barrier()
-    return written
 
 
 @contextlib.contextmanager

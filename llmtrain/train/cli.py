@@ -1,8 +1,5 @@
 """The command line every recipe shares: arguments, set-up checks, process group, the error -> exit code
-mapping (bad input 2, failure 1, preempted 42), lock release and shutdown. A recipe's main is one call:
-
-    distributed.hard_exit(cli.main(argv, USAGE, MyConfig, train, check=my_checks))
-"""
+mapping (bad input 2, failure 1, preempted 42), lock release and shutdown (Recipe.main calls main)."""
 
 from __future__ import annotations
 
@@ -13,15 +10,12 @@ import traceback
 from typing import Callable
 
 from llmtrain import checkpoint, data, distributed, launch, lock, parallelize
-from llmtrain.models import lora
-from llmtrain.losses import token as loss_lib
 from llmtrain import metrics as metrics_lib
-from llmtrain.models import hf as model_lib
 from llmtrain.config import Config, ConfigError, describe, load_config, to_yaml
-
-
-class Preempted(Exception):
-    """Saved after SIGTERM/SIGUSR1; exit with the requeue code."""
+from llmtrain.losses import token as loss_lib
+from llmtrain.models import hf as model_lib
+from llmtrain.models import lora
+from llmtrain.train.loop import Preempted
 
 
 def parse_args(argv: list[str] | None, usage: str) -> argparse.Namespace:

@@ -12,18 +12,23 @@ import torch
 from llmtrain import distributed, optim
 from llmtrain import metrics as metrics_lib
 from llmtrain.metrics import Throughput
-from llmtrain.step import StepResult
 from llmtrain.train.build import Run, export
-from llmtrain.train.cli import Preempted
+from llmtrain.train.step import StepResult
+
+
+class Preempted(Exception):
+    """Saved after SIGTERM/SIGUSR1; exit with the requeue code."""
 
 
 def loop(run: Run, steps: Iterator[list[dict]], step: Callable[[list[dict]], StepResult],
-         evaluate: Callable[[int], None] | None = None, final_export: bool = True) -> torch.nn.Module:
-    """Train from run.state.step to train.max_steps; `evaluate(step)` at eval.every_steps. Returns the model."""
+         evaluate: Callable[[int], dict] | None = None, final_export: bool = True) -> torch.nn.Module:
+    """Train from run.state.step to train.max_steps; `evaluate(step)` (its metrics are logged) at
+    eval.every_steps. Returns the model."""
     cfg, env, state, metrics, ckpt = run.cfg, run.env, run.state, run.metrics, run.ckpt
     # Throughput, MFU, step time and memory over the steps between two logged steps (metrics.py).
-    n_trained = run.n_trained if cfg.lora.enabled else None  # LoRA: weight gradients for the adapters only
-    perf = Throughput(metrics_lib.model_flops_per_token(run.model_config, run.n_params, cfg.data.seq_len, n_trained),
+    policy = run.policy
+    n_trained = policy.n_trained if cfg.lora.enabled else None  # LoRA: weight gradients for the adapters only
+    perf = Throughput(metrics_lib.model_flops_per_token(policy.config, policy.n_params, cfg.data.seq_len, n_trained),
                       env.world_size, env.device, run.tokenizer.pad_token_id,
                       *metrics_lib.device_peak_tflops(env.device, cfg.parallel.mixed_precision, cfg.log.peak_tflops))
     metrics.info(perf.describe())
@@ -53,7 +58,8 @@ def loop(run: Run, steps: Iterator[list[dict]], step: Callable[[list[dict]], Ste
                          "elapsed_s": metrics.elapsed(),
                          **perf.collect()})  # collect() is a collective: every rank logs the same steps
         if evaluate and cfg.eval.every_steps and (state.step % cfg.eval.every_steps == 0 or last):
-            evaluate(state.step)
+            if record := evaluate(state.step):
+                metrics.log({"step": state.step, **record})
         ckpt.poll()
         preempted, timer = distributed.any_rank(run.preemption.signal is not None, ckpt.timer_fired(),
                                                 device=env.device)

@@ -14,16 +14,19 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from llmtrain import distributed, train as trainer  # noqa: E402
-from llmtrain.step import train_step  # noqa: E402
+from llmtrain import distributed  # noqa: E402
+from llmtrain.models.names import base_name, clean_name, is_adapter  # noqa: E402
+from llmtrain.train.build import build, data_steps  # noqa: E402
+from llmtrain.train.cli import parse_args, setup  # noqa: E402
+from llmtrain.train.loop import loop  # noqa: E402
+from llmtrain.train.step import TokenObjective, accumulate  # noqa: E402
 
-cfg = trainer.setup(trainer.parse_args(sys.argv[1:], __doc__))
+cfg = setup(parse_args(sys.argv[1:], __doc__))
 env = distributed.init(cfg.distributed)
-run = trainer.build(cfg, env)
-_, steps = trainer.data_steps(run)
+run = build(cfg, env)
+_, steps = data_steps(run, "rows")
 grads = {}
 if cfg.lora.enabled:  # at each optimizer step: parameters with gradients; does it hold the trained ones only
-    from llmtrain.models.hf import clean_name
 
     def record(opt, args, kwargs):
         params = list(run.model.named_parameters())
@@ -33,9 +36,8 @@ if cfg.lora.enabled:  # at each optimizer step: parameters with gradients; does 
                      == {id(p) for _, p in params if p.requires_grad})
 
     run.opt.register_step_pre_hook(record)
-model = trainer.loop(run, steps, lambda batches: train_step(run.model, run.plan, batches, run.opt, run.scaler,
-                                                            cfg.train.max_grad_norm, env.device, env.world_size,
-                                                            run.token_loss))
+objective = TokenObjective(run.token_loss)
+model = loop(run, steps, lambda batches: accumulate(run.stepper, batches, objective))
 probe = (torch.arange(2 * 24).reshape(2, 24) * 7919) % 500 + 6  # ordinary (non-special) token ids
 model.eval()
 with torch.no_grad():
@@ -44,10 +46,7 @@ if env.is_main:
     save_file({"input_ids": probe, "logits": logits.contiguous()}, str(Path(cfg.output_dir) / "probe.safetensors"))
 if cfg.lora.enabled:  # the frozen base after training, by its model.path names, to compare bit for bit
     (Path(cfg.output_dir) / f"grads_rank{env.rank}.json").write_text(json.dumps(grads))
-    from llmtrain.checkpoint import full_state_dict
-    from llmtrain.models.lora import base_name, is_adapter
-
-    state = full_state_dict(model, run.plan.strategy, env.device)
+    state = run.plan.strategy.full_state_dict(model, env.device)
     if env.is_main:
         save_file({base_name(k): v.clone() for k, v in state.items() if not is_adapter(k) and ".modules_to_save." not in k},
                   str(Path(cfg.output_dir) / "frozen.safetensors"))

@@ -1,5 +1,5 @@
-"""Every family x ddp/fsdp/fsdp2 in one process group, through the library functions the recipe calls (meta
-build -> parallelize -> load_weights -> check_initialized -> train_step -> export_hf), measured against
+"""Every family x ddp/fsdp/fsdp2 in one process group, through the library functions the recipe calls
+(models.build.build_model -> the micro-batch accumulation -> export_hf), measured against
 transformers' from_pretrained of the same directory. Rank 0 writes the numbers as JSON for
 tests/test_families.py to assert on.  Usage: torchrun --nproc_per_node=2 family_matrix.py ROOT OUT.json
 (ROOT/<family> are directories made by tests/families.py)."""
@@ -16,12 +16,14 @@ import torch.distributed as dist  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from families import FAMILIES  # noqa: E402
-from llmtrain import checkpoint, distributed, optim, parallelize  # noqa: E402
-from llmtrain.models import hf as model_lib  # noqa: E402
+from llmtrain import distributed, export, optim, parallelize  # noqa: E402
 from llmtrain.config import DistributedConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from llmtrain.data.formats import IGNORE  # noqa: E402
 from llmtrain.losses.token import TokenLoss  # noqa: E402
-from llmtrain.step import train_step  # noqa: E402
+from llmtrain.models import hf as model_lib  # noqa: E402
+from llmtrain.models.build import build_model  # noqa: E402
+from llmtrain.models.names import clean_name  # noqa: E402
+from llmtrain.train.step import Stepper, TokenObjective, accumulate  # noqa: E402
 
 STRATEGIES = ["ddp", "fsdp", "fsdp2"]
 STEPS, ROWS, SEQ, SPLIT = 3, 4, 32, 20  # global batch ROWS rows of two packed documents (SPLIT + SEQ - SPLIT)
@@ -39,29 +41,24 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
 
 
-def run(family_dir: Path, strategy: str, env, mesh, out: Path) -> dict:
+def run(family_dir: Path, strategy: str, env, out: Path) -> dict:
     section = ModelConfig(path=str(family_dir))
     tokenizer = model_lib.load_tokenizer(section.path, False)
     config = model_lib.load_model_config(section, tokenizer)
     reference = AutoModelForCausalLM.from_pretrained(family_dir, dtype=torch.float32)
-    model = model_lib.build_meta_model(config, section)
-    no_decay = optim.no_decay_names(model)
-    pcfg = ParallelConfig(strategy=strategy)
-    plan = parallelize.resolve(pcfg, sum(p.numel() for p in model.parameters()), env.world_size, env.device)
-    model = parallelize.parallelize(model, pcfg, plan, mesh, env.device)
-    model_lib.load_weights(model, plan.strategy, section, config, seed=0)
-    model_lib.check_initialized(model)
+    built = build_model(section, config, ParallelConfig(strategy=strategy), env, seed=0)
+    model, plan = built.model, built.plan
     result = {"describe": plan.strategy.describe(model)}
     # Before any forward, as in the recipe: FSDP2 leaves the last layer's gathered parameters registered
     # after a forward, and an optimizer built then would update those copies.
     train = TrainConfig(lr=1e-3, weight_decay=0.1, max_steps=STEPS)
-    opt = optim.build_optimizer(model, train, train.lr, no_decay)
+    opt = optim.build_optimizer(model, train, train.lr, built.no_decay)
 
     # The loaded model equals from_pretrained's: every parameter (gathered) and buffer (on every rank).
     ref_buffers = {name: b for name, b in reference.named_buffers()}
-    buffer_diff = torch.tensor(max(max_diff(b, ref_buffers[model_lib.clean_name(n)]) for n, b in model.named_buffers()))
+    buffer_diff = torch.tensor(max(max_diff(b, ref_buffers[clean_name(n)]) for n, b in model.named_buffers()))
     result["buffer_diff"] = distributed.all_reduce(buffer_diff, dist.ReduceOp.MAX).item()
-    full = checkpoint.full_state_dict(model, plan.strategy, env.device)
+    full = plan.strategy.full_state_dict(model, env.device)
     if env.is_main:
         ref_state = reference.state_dict()
         assert full.keys() <= ref_state.keys(), sorted(full.keys() - ref_state.keys())
@@ -77,13 +74,13 @@ def run(family_dir: Path, strategy: str, env, mesh, out: Path) -> dict:
                                                          dist.ReduceOp.MAX).item()
 
     model.train()
-    token_loss = TokenLoss("chunked", model, env.device)  # the default train.loss_impl, for every family
-    result["losses"] = [train_step(model, plan, [local], opt, None, 1.0, env.device, env.world_size, token_loss).loss
-                        for _ in range(STEPS)]
+    objective = TokenObjective(TokenLoss("chunked", model, env.device))  # the default train.loss_impl
+    stepper = Stepper(model, plan, opt, None, 1.0, env.device, env.world_size)
+    result["losses"] = [accumulate(stepper, [local], objective).loss for _ in range(STEPS)]
 
     # The export reproduces the trained model's logits in transformers.
     export_dir = out / f"{family_dir.name}_{strategy}"
-    checkpoint.export_hf(model, plan.strategy, env.device, export_dir, config, tokenizer)
+    export.export_hf(model, plan.strategy, env.device, export_dir, config, tokenizer)
     model.eval()
     probe = batch["input_ids"][:2]
     with torch.no_grad():
@@ -95,7 +92,7 @@ def run(family_dir: Path, strategy: str, env, mesh, out: Path) -> dict:
     return result
 
 
-def meta_buffers_refused(family_dir: Path, env, mesh) -> str:
+def meta_buffers_refused(family_dir: Path, env) -> str:
     """Built the old way (buffers on meta too), Gemma3's embed_scale and RoPE inv_freq are never loaded:
     check_initialized must refuse, on every rank. Returns its message."""
     section = ModelConfig(path=str(family_dir))
@@ -104,8 +101,8 @@ def meta_buffers_refused(family_dir: Path, env, mesh) -> str:
         model = AutoModelForCausalLM.from_config(config)
     pcfg = ParallelConfig(strategy="fsdp2")
     plan = parallelize.resolve(pcfg, 0, env.world_size, env.device)
-    model = parallelize.parallelize(model, pcfg, plan, mesh, env.device)
-    model_lib.load_weights(model, plan.strategy, section, config, seed=0)
+    model = parallelize.parallelize(model, pcfg, plan, distributed.build_mesh(env, 1), env.device)
+    plan.strategy.load(model, family_dir, config, seed=0)
     try:
         model_lib.check_initialized(model)
     except FloatingPointError as e:
@@ -116,9 +113,8 @@ def meta_buffers_refused(family_dir: Path, env, mesh) -> str:
 def main() -> None:
     root, out_json = Path(sys.argv[1]), Path(sys.argv[2])
     env = distributed.init(DistributedConfig())
-    mesh = distributed.build_mesh(env, 1)
-    results = {f: {s: run(root / f, s, env, mesh, root) for s in STRATEGIES} for f in FAMILIES}
-    results["meta_buffers_refused"] = meta_buffers_refused(root / "gemma3", env, mesh)
+    results = {f: {s: run(root / f, s, env, root) for s in STRATEGIES} for f in FAMILIES}
+    results["meta_buffers_refused"] = meta_buffers_refused(root / "gemma3", env)
     if env.is_main:
         out_json.write_text(json.dumps(results, indent=1))
     distributed.shutdown()

@@ -1,0 +1,102 @@
+"""Exports users load without llmtrain: the consolidated Hugging Face directory (safetensors + config +
+generation config + tokenizer; `from_pretrained` reads it) and PEFT adapter directories. From a live model
+(collective: every rank gathers, rank 0 writes) or from tensors already in memory (llmtrain.convert). Each is
+written into `<dir>.tmp` and published by rename, so a reader never sees half of one. Nothing is pickled."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from huggingface_hub import split_torch_state_dict_into_shards
+from safetensors.torch import save_file
+from torch import nn
+from transformers import GenerationConfig
+
+from llmtrain.config import LoraConfig
+from llmtrain.models import lora
+from llmtrain.models.hf import WEIGHTS_FILE, WEIGHTS_INDEX
+from llmtrain.models.names import peft_key
+from llmtrain.parallelize import Strategy
+from llmtrain.utils import publish
+
+
+def _fresh(out: Path) -> Path:
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def write_hf(state: dict[str, torch.Tensor], out: Path, config, tokenizer, dtype: torch.dtype,
+             max_shard_size: str = "5GB") -> None:
+    """A directory that transformers' from_pretrained loads with no llmtrain import."""
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    state = {k: v.to(dtype).contiguous() for k, v in state.items()}
+    tmp = _fresh(out)
+    split = split_torch_state_dict_into_shards(state, filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size=max_shard_size)
+    for filename, names in split.filename_to_tensors.items():
+        save_file({n: state[n] for n in names}, tmp / filename, metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                 "weight_map": split.tensor_to_filename}
+        (tmp / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2))
+    else:
+        assert (tmp / WEIGHTS_FILE).is_file()
+    config = config.__class__.from_dict(config.to_dict())  # a copy: the live config stays as trained
+    config.dtype = dtype
+    config.use_cache = True
+    config.save_pretrained(tmp)
+    GenerationConfig.from_model_config(config).save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    publish(tmp, out)
+
+
+def write_adapter(trained: dict[str, torch.Tensor], out: Path, section: LoraConfig, base_path: str | None) -> None:
+    """PEFT's layout (rank 0): adapter_config.json + adapter_model.safetensors. The config names the adapted
+    modules one by one, as PEFT does after resolving all-linear."""
+    tmp = _fresh(out)
+    save_file({peft_key(n): t.float().contiguous() for n, t in trained.items()}, tmp / lora.ADAPTER_WEIGHTS,
+              metadata={"format": "pt"})
+    config = lora.peft_config(section)
+    config.target_modules = sorted({n.split(".lora_A.")[0] for n in trained if ".lora_A." in n})
+    config.base_model_name_or_path = base_path
+    config.inference_mode = True
+    config.save_pretrained(str(tmp))
+    publish(tmp, out)
+
+
+def export_hf(model: nn.Module, strategy: Strategy, device: torch.device, out: str | Path, config, tokenizer,
+              dtype: torch.dtype = torch.float32, max_shard_size: str = "5GB") -> None:
+    """Collective: all ranks gather, rank 0 writes, all ranks wait until the export is complete."""
+    state = strategy.full_state_dict(model, device)
+    if dist.get_rank() == 0:
+        write_hf(state, Path(out), config, tokenizer, dtype, max_shard_size)
+    dist.barrier()
+
+
+def export_lora(model: nn.Module, strategy: Strategy, device: torch.device, output_dir: Path, step_dir: str,
+                section: LoraConfig, base_path: str | None, model_config, tokenizer, dtype: torch.dtype,
+                max_shard_size: str) -> list[Path]:
+    """Collective. output_dir/adapter[/step_dir] (PEFT) and/or output_dir/hf[/step_dir] (merged), as
+    lora.export says; returns what was written."""
+    written = []
+    if section.export in ("adapter", "both"):
+        adapters = strategy.full_state_dict(model, device, trainable_only=True)
+        out = output_dir / "adapter" / step_dir
+        if dist.get_rank() == 0:
+            write_adapter(adapters, out, section, base_path)
+        written.append(out)
+    if section.export in ("merged", "both"):
+        state = strategy.full_state_dict(model, device)
+        out = output_dir / "hf" / step_dir
+        if dist.get_rank() == 0:
+            write_hf(lora.merged_state(state, section), out, model_config, tokenizer, dtype, max_shard_size)
+        written.append(out)
+    dist.barrier()
+    return written

@@ -1,0 +1,76 @@
+"""The shape of a recipe. A recipe is a Recipe subclass that says only what is its own: its config class
+(a Config subclass with its section), the kind of data rows it trains on, its set-up checks, the state of its
+own that checkpoints carry, its extra models and its objective (built in setup: a reference, a teacher; an
+llmtrain.train.step.Objective, or a whole `step` when one optimizer step is more than one accumulation) and
+its eval. Everything else (command line, model, optimizer, data, checkpoints, resume,
+preemption, loop, export) is llmtrain.train's, the same for every recipe:
+
+    class MyRecipe(Recipe):
+        config_cls = MyConfig
+        ...
+    if __name__ == "__main__":
+        distributed.hard_exit(MyRecipe().main())
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from llmtrain import data
+from llmtrain.config import Config, ConfigError
+from llmtrain.train import cli, loop
+from llmtrain.train.build import Registered, Run, build, data_steps
+from llmtrain.train.step import Objective, StepResult, accumulate
+
+
+class Recipe:
+    config_cls: type[Config] = Config
+    usage: str = ""
+    rows: str = "tokens"  # the data kind it trains on (data.FORMATS[...].rows): "tokens" or "pairs"
+    unit: str = "rows"    # what one sample of the global batch is, for the log
+    run: Run              # set by setup
+    objective: Objective  # set by the subclass's setup
+
+    # -- before any process group ------------------------------------------------------------------
+    def check(self, cfg: Config) -> None:
+        """The recipe's own set-up checks (ConfigError naming the key), before the shared ones."""
+
+    def check_data(self, cfg: Config) -> None:
+        kind = data.rows_kind(cfg.data).name
+        if kind != self.rows:
+            fitting = sorted(n for n, f in data.FORMATS.items() if f.rows.name == self.rows)
+            raise ConfigError(f"data.format: {', '.join(sorted(data.formats_used(cfg.data)))} gives {kind} rows but "
+                              f"this recipe trains on {self.rows} (data.format {' / '.join(fitting)}); "
+                              "recipes/finetune.py trains on tokens, recipes/dpo.py on pairs")
+
+    # -- once the process group exists -------------------------------------------------------------
+    def registered(self, cfg: Config) -> list[Registered]:
+        """State of the recipe's own that every checkpoint carries and a resume restores."""
+        return []
+
+    def setup(self, run: Run, built: data.Built) -> None:
+        """Extra models, the objective and anything else the step needs, once the policy and the data exist."""
+        self.run = run
+
+    def step(self, batches: list[dict]) -> StepResult:
+        """One optimizer step; by default one accumulation over the micro-batches of the recipe's objective."""
+        return accumulate(self.run.stepper, batches, self.objective)
+
+    def evaluate(self, at_step: int) -> dict:
+        """Validation metrics at eval.every_steps (a collective); {} logs nothing."""
+        return {}
+
+    # -- the shared body ---------------------------------------------------------------------------
+    def train(self, cfg: Config, env) -> nn.Module:
+        run = build(cfg, env, self.registered(cfg))
+        built, steps = data_steps(run, self.unit)
+        self.setup(run, built)
+        return loop.loop(run, steps, self.step, self.evaluate)
+
+    def main(self, argv: list[str] | None = None) -> int:
+        """Parse, check (this recipe's, then the shared ones), init, train; returns the exit code."""
+        return cli.main(argv, self.usage, self.config_cls, self.train, self.setup_checks)
+
+    def setup_checks(self, cfg: Config) -> None:
+        self.check(cfg)
+        self.check_data(cfg)

@@ -1,0 +1,111 @@
+"""The one micro-batch loop every recipe's step goes through: the step's denominators all-reduced before any
+forward, then per micro-batch the recipe's objective under autocast, gradient sync on the last one only,
+scaling so that the gradients are those of the global mean, backward; then clipping and the update (skipped
+when non-finite). What is the recipe's own is its Objective."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Protocol
+
+import torch
+from torch import nn
+
+from llmtrain.distributed import all_reduce
+from llmtrain.losses.token import trained_tokens
+from llmtrain.parallelize import Plan, autocast, grad_sync
+
+
+class StepResult(NamedTuple):
+    """What a step returns to the loop (llmtrain.train.loop): global loss, grad norm, trained tokens, whether
+    the update was applied, and the recipe's own metrics for the logged record (equal on every rank)."""
+    loss: float
+    grad_norm: float
+    n_tokens: int
+    ok: bool
+    extra: dict = {}
+
+
+class Share(NamedTuple):
+    loss: torch.Tensor     # this micro-batch's share of the step's global loss (differentiable)
+    metrics: torch.Tensor  # 1-D sums for Objective.report (detached), summed over micro-batches and ranks
+
+
+class Objective(Protocol):
+    """A recipe's training objective as sums over micro-batches divided by global totals, so that any world
+    size and accumulation split gives the same loss and gradients."""
+
+    def counts(self, batch: dict) -> torch.Tensor:
+        """This micro-batch's denominators (1-D, may be empty); totals[1:] are their sums over the step's
+        micro-batches and ranks (totals[0]: the global trained tokens)."""
+
+    def share(self, model: nn.Module, batch: dict, totals: torch.Tensor) -> Share:
+        """Forward (under the strategy's autocast) and this micro-batch's Share."""
+
+    def report(self, metrics: torch.Tensor, totals: torch.Tensor) -> tuple[float, dict]:
+        """From the summed Share.metrics: (the step's loss, the recipe's metrics by name)."""
+
+
+class Stepper(NamedTuple):
+    """What the loop needs to take a step: the wrapped model and how it is trained."""
+    model: nn.Module
+    plan: Plan
+    opt: torch.optim.Optimizer
+    scaler: object
+    max_grad_norm: float
+    device: torch.device
+    world_size: int
+
+
+def accumulate(s: Stepper, batches: list[dict], objective: Objective) -> StepResult:
+    """One optimizer step over the micro-batches of `batches`."""
+    batches = [{k: v.to(s.device, non_blocking=True) for k, v in b.items()} for b in batches]
+    local = torch.stack([torch.cat([trained_tokens(b["labels"]).reshape(1), objective.counts(b)]) for b in batches])
+    totals = all_reduce(local.sum(0))
+    summed = None
+    for i, batch in enumerate(batches):
+        with grad_sync(s.model, s.plan, enabled=i == len(batches) - 1):
+            with autocast(s.plan, s.device):
+                part = objective.share(s.model, batch, totals)
+            # Data-parallel wrappers average gradients over ranks: x world size makes them the global mean's.
+            scaled = part.loss * s.world_size
+            (s.scaler.scale(scaled) if s.scaler else scaled).backward()
+        summed = part.metrics if summed is None else summed + part.metrics
+    loss, extra = objective.report(all_reduce(summed), totals)
+    grad_norm, ok = update(s, loss)
+    return StepResult(loss, grad_norm, int(totals[0]), ok, extra)
+
+
+def update(s: Stepper, loss: float) -> tuple[float, bool]:
+    """After the backward passes: clip, then step unless non-finite -> (grad norm, whether applied)."""
+    if s.scaler:
+        s.scaler.unscale_(s.opt)
+    grad_norm = float(s.plan.strategy.clip_grad_norm(s.model, s.max_grad_norm))
+    # fp16 overflows are the scaler's business (it skips that step); anything else non-finite is ours.
+    ok = math.isfinite(loss) and (s.scaler is not None or math.isfinite(grad_norm))
+    if ok:
+        if s.scaler:
+            s.scaler.step(s.opt)
+            s.scaler.update()
+        else:
+            s.opt.step()
+    s.opt.zero_grad(set_to_none=True)
+    return grad_norm, ok
+
+
+class TokenObjective:
+    """Supervised fine-tuning's objective: the token-weighted cross-entropy, Σ token losses / global trained
+    tokens, through the recipe's TokenLoss (chunked, full or liger)."""
+
+    def __init__(self, token_loss):
+        self.token_loss = token_loss
+
+    def counts(self, batch: dict) -> torch.Tensor:
+        return torch.zeros(0, dtype=torch.long, device=batch["labels"].device)
+
+    def share(self, model: nn.Module, batch: dict, totals: torch.Tensor) -> Share:
+        loss_sum = self.token_loss.loss_sum(model, batch)
+        return Share(loss_sum / totals[0].clamp(min=1), loss_sum.detach().reshape(1))
+
+    def report(self, metrics: torch.Tensor, totals: torch.Tensor) -> tuple[float, dict]:
+        return metrics[0].item() / max(int(totals[0]), 1), {}

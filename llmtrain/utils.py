@@ -1,0 +1,33 @@
+"""Small helpers every layer may use (a leaf: imports nothing of llmtrain): dtype names, giving freed heap
+back to the OS, and publishing a directory atomically."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+from pathlib import Path
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def release_freed_memory() -> None:
+    """FSDP1 materializes and unshards unit by unit; glibc keeps the freed unit-sized blocks in its heap,
+    so RSS would stay at the transient peak. Give them back to the OS (a no-op elsewhere than glibc)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Replace `final` by the complete `tmp`: a reader sees the old or the new directory, never half."""
+    old = final.with_name(final.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        for sub in final.glob("step_*"):  # keep the exports made during training (hf/step_<N>)
+            sub.rename(tmp / sub.name)
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
