@@ -57,7 +57,7 @@ def random_data_recipe():
         usage = __doc__
 
         def train(self, cfg, env):
-            self.run = run = build(cfg, env)
+            self.run = run = build(cfg, env, "finetune")
             self.objective = TokenObjective(run.token_loss)
             micro, accum = cfg.train.micro_batch_size, cfg.train.grad_accum_steps
             steps = RandomSteps(len(run.tokenizer), cfg.data.seq_len, micro, accum, cfg.train.seed + env.rank,

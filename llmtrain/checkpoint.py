@@ -57,6 +57,7 @@ class TrainState:
     world_size: int = 0
     data: dict = field(default_factory=dict)  # the data position (llmtrain.data make_steps)
     base: dict = field(default_factory=dict)  # LoRA: the frozen base's path and fingerprint (llmtrain.models.lora)
+    identity: dict = field(default_factory=dict)  # the recipe and the data's fingerprint (llmtrain.resume)
 
 
 def _rng_state() -> dict:
@@ -373,8 +374,9 @@ class CheckpointManager:
             dcp.load(tensors, checkpoint_id=str(path))
         except dcp.api.CheckpointException as e:
             first = (str(e).strip().splitlines() or [""])[0][:300]
-            raise ConfigError(f"checkpoint {path} cannot be loaded ({first}): move it away, or set "
-                              "checkpoint.resume to another checkpoint") from None
+            raise ConfigError(f"checkpoint {path} does not fit this model ({first}); it is left as it is. Resume "
+                              "with the settings it was saved with (its config.yaml), or start afresh in another "
+                              "output_dir or with checkpoint.resume=never") from None
         set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"],
                        optim_state_dict=tensors["optim"], options=StateDictOptions(ignore_frozen_params=True,
                                                                                     strict=False))

@@ -17,10 +17,10 @@ from torch import nn
 
 from llmtrain.config import ConfigError, LoraConfig
 from llmtrain.models.names import ADAPTER, base_name, clean_name, is_adapter, is_trained_copy, peft_key
+from llmtrain.utils import hash_sampled
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-SMALL_FILE = 64 << 20  # fingerprint: safetensors files hashed whole up to this size
 
 
 def peft_config(section: LoraConfig):
@@ -176,12 +176,7 @@ def fingerprint(model_path: str | None, model_config: dict | None, seed: int, sa
                 header = 8 + int.from_bytes(fh.read(8), "little")
                 fh.seek(0)
                 h.update(f.name.encode() + size.to_bytes(8, "little") + fh.read(header))
-                if size - header <= SMALL_FILE:
-                    h.update(fh.read())
-                    continue
-                for i in range(samples):
-                    fh.seek(header + (size - header) * i // samples)
-                    h.update(fh.read(1 << 20))
+                hash_sampled(h, fh, header, size, samples)
     else:
         h.update(json.dumps(model_config, sort_keys=True).encode() + str(seed).encode())
     return {"path": model_path, "fingerprint": h.hexdigest()[:16]}

@@ -14,7 +14,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from llmtrain import checkpoint, data, distributed, export as export_lib, lock, optim, parallelize, preflight
+from llmtrain import checkpoint, data, distributed, export as export_lib, lock, optim, parallelize, preflight, resume
 from llmtrain.config import Config, to_yaml
 from llmtrain.losses import token as loss_lib
 from llmtrain.metrics import MetricsLogger
@@ -70,9 +70,9 @@ class Run:
         return parallelize.autocast(self.plan, self.env.device)
 
 
-def build(cfg: Config, env: distributed.DistEnv, registered: list[Registered] = ()) -> Run:
+def build(cfg: Config, env: distributed.DistEnv, recipe: str, registered: list[Registered] = ()) -> Run:
     """Everything up to the data, resumed from the newest verified checkpoint if there is one (with every
-    `registered` object's state)."""
+    `registered` object's state) when it was saved by the same setup (llmtrain.resume)."""
     preemption = distributed.PreemptionFlag()
     if cfg.distributed.preflight:  # all ranks joined (distributed.init); now collectives, output_dir, versions
         summary = preflight.run(env, cfg.output_dir, cfg.distributed.preflight_timeout_s)
@@ -85,7 +85,10 @@ def build(cfg: Config, env: distributed.DistEnv, registered: list[Registered] = 
     start = checkpoint.choose_resume(cfg.checkpoint, cfg.output_dir)  # verified; corrupt ones are skipped
     # LoRA: the frozen base's fingerprint, recorded in checkpoints and checked against the one resumed from.
     base = lora.fingerprint(cfg.model.path, cfg.model.config, cfg.train.seed) if cfg.lora.enabled else {}
+    changed = []
     if start is not None:
+        changed = resume.check(start, cfg, recipe, model_config.to_dict(), env.world_size, checkpoint.STATE_FILE,
+                               checkpoint.HF_CONFIG_DIR)
         saved = json.loads((start / checkpoint.STATE_FILE).read_text()).get("base") or {}
         lora.check_resume(start, saved, base)
     # Resuming: the checkpoint holds every trained weight (LoRA's: the adapters; the base is loaded here).
@@ -103,6 +106,8 @@ def build(cfg: Config, env: distributed.DistEnv, registered: list[Registered] = 
         ckpt.register(r.name, r.obj, r.per_rank)
     state = ckpt.resume(start) or checkpoint.TrainState(global_batch=global_batch, world_size=env.world_size,
                                                         base=base)
+    # What the next checkpoints record: this run's (also after an allowed change).
+    state.identity, state.global_batch, state.world_size = resume.identity(cfg, recipe), global_batch, env.world_size
     model_lib.check_initialized(model)  # every parameter loaded (from model.path or the checkpoint)
     metrics = MetricsLogger(cfg.output_dir, env.is_main, cfg.train.max_steps, state.step, cfg.log.progress,
                             append=state.step > 0, section=cfg.log, run_config=cfg)
@@ -118,6 +123,8 @@ def build(cfg: Config, env: distributed.DistEnv, registered: list[Registered] = 
     metrics.info(token_loss.describe())
     if state.step > 0:
         metrics.info(f"resumed at step {state.step} ({state.samples_seen} samples seen)")
+    for line in changed:
+        metrics.info(line)
     if env.is_main:
         (Path(cfg.output_dir) / "config.yaml").write_text(to_yaml(cfg))
     return Run(cfg, env, tokenizer, policy, opt, parallelize.grad_scaler(plan, env.device), peak, global_batch,

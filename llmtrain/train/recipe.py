@@ -40,8 +40,8 @@ class Recipe:
         if kind != self.rows:
             fitting = sorted(n for n, f in data.FORMATS.items() if f.rows.name == self.rows)
             raise ConfigError(f"data.format: {', '.join(sorted(data.formats_used(cfg.data)))} gives {kind} rows but "
-                              f"this recipe trains on {self.rows} (data.format {' / '.join(fitting)}); "
-                              "recipes/finetune.py trains on tokens, recipes/dpo.py on pairs")
+                              f"this recipe trains on {self.rows}: set {' or '.join(f'data.format={f}' for f in fitting)}"
+                              " (recipes/finetune.py trains on token rows, recipes/dpo.py on pairs)")
 
     # -- once the process group exists -------------------------------------------------------------
     def registered(self, cfg: Config) -> list[Registered]:
@@ -62,7 +62,7 @@ class Recipe:
 
     # -- the shared body ---------------------------------------------------------------------------
     def train(self, cfg: Config, env) -> nn.Module:
-        run = build(cfg, env, self.registered(cfg))
+        run = build(cfg, env, type(self).__name__.lower(), self.registered(cfg))
         built, steps = data_steps(run, self.unit)
         self.setup(run, built)
         return loop.loop(run, steps, self.step, self.evaluate)

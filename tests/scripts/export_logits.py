@@ -23,7 +23,7 @@ from llmtrain.train.step import TokenObjective, accumulate  # noqa: E402
 
 cfg = setup(parse_args(sys.argv[1:], __doc__))
 env = distributed.init(cfg.distributed)
-run = build(cfg, env)
+run = build(cfg, env, "finetune")
 _, steps = data_steps(run, "rows")
 grads = {}
 if cfg.lora.enabled:  # at each optimizer step: parameters with gradients; does it hold the trained ones only
