@@ -1,12 +1,14 @@
 """README.md and docs/ stay honest: every recipe, config, bench file, `python -m llmtrain.X` module and
-`make` target they name exists, every relative link (and its #anchor) resolves, and the README stays a
-quick start. Text checks only: nothing is launched."""
+`make` target and config key they name exists, every relative link (and its #anchor) resolves, and the
+README stays a quick start. No training runs: the recipes are only asked for --help-config."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -24,6 +26,13 @@ MODULE = re.compile(r"-m\s+(llmtrain(?:\.\w+)+)")
 MAKE = re.compile(r"(?<![\w-])make\s+(?:[A-Z_]+=\S*\s+)*([a-z][\w-]*)")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
+SECTIONS = "model|tokenizer|data|parallel|distributed|train|eval|checkpoint|log|lora|dpo"
+# A config key as written in the docs: a whole code span (`lora.r`, `train.lr=1e-4`, `dpo.beta: 0.1`) or an
+# override on a command line; `parallel.*` and file names (`model.safetensors`) are not keys.
+CONFIG_SPAN = re.compile(rf"^((?:{SECTIONS})(?:\.[a-z_][a-z0-9_]*)+)(?:=\S*|: .*)?$")
+CONFIG_OVERRIDE = re.compile(rf"(?<!\S)((?:{SECTIONS})(?:\.[a-z_][a-z0-9_]*)+)=")
+FILE_SUFFIXES = {"safetensors", "json", "jsonl", "yaml", "py", "txt", "csv", "parquet"}
+MISSPELT_ON_PURPOSE = {"train.lrr"}  # the example of the unknown-key error
 
 
 def rel(path):
@@ -60,6 +69,28 @@ def makefile_targets():
     return set(re.findall(r"^([a-z][\w-]*)\s*:(?!=)", text(REPO / "Makefile"), re.M))
 
 
+@pytest.fixture(scope="module")
+def config_keys():
+    """Every key any recipe accepts, from its own --help-config (the recipes run side by side)."""
+    procs = [subprocess.Popen([sys.executable, str(recipe), "--help-config"], cwd=REPO, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for recipe in sorted((REPO / "recipes").glob("*.py"))]
+    keys = set()
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"{proc.args[1]} --help-config exited {proc.returncode}: {err[-2000:]}"
+        keys |= {line.split()[0] for line in out.splitlines() if re.match(r"[a-z_]+(\.[a-z0-9_]+)+\s", line)}
+    assert {"train.lr", "dpo.beta", "lora.r"} <= keys, sorted(keys)
+    return keys
+
+
+def named_config_keys(md):
+    spans = [span.strip("`") for span in INLINE_CODE.findall(md)]
+    named = {m.group(1) for span in spans if (m := CONFIG_SPAN.match(span))}
+    named |= set(CONFIG_OVERRIDE.findall("\n".join(FENCE.findall(md))))
+    return {k for k in named if k.rsplit(".", 1)[1] not in FILE_SUFFIXES} - MISSPELT_ON_PURPOSE
+
+
 @pytest.fixture(scope="module", params=DOCS, ids=rel)
 def doc(request):
     assert request.param.is_file(), f"{rel(request.param)} is missing"
@@ -92,6 +123,14 @@ def test_named_make_targets_exist(doc):
     assert not unknown, f"{rel(doc)} names make targets the Makefile lacks: {unknown}"
 
 
+def test_named_config_keys_exist(doc, config_keys):
+    def known(key):  # a key inside a dict-valued one (model.config.hidden_size) counts as its parent's
+        parts = key.split(".")
+        return any(".".join(parts[:n]) in config_keys for n in range(2, len(parts) + 1))
+    unknown = sorted(k for k in named_config_keys(text(doc)) if not known(k))
+    assert not unknown, f"{rel(doc)} names config keys no recipe's --help-config lists: {unknown}"
+
+
 def test_relative_links_resolve(doc):
     broken = []
     for target in LINK.findall(prose(text(doc))):
@@ -117,5 +156,6 @@ def test_the_checks_see_what_they_check():
     assert {"demo", "test"} <= set(MAKE.findall(code(readme)))
     assert "recipes/finetune.py" in PATHS.findall(readme) and "configs/demo.yaml" in PATHS.findall(readme)
     assert "llmtrain.generate" in MODULE.findall(readme)
+    assert {"parallel.mixed_precision", "lora.enabled", "model.path", "train.max_steps"} <= named_config_keys(readme)
     assert "docs/data.md" in LINK.findall(prose(readme))
     assert "checkpoints-resume-preemption-and-export-checkpoint" in anchors(text(REPO / "docs" / "checkpoints.md"))
