@@ -39,11 +39,16 @@ class TokenizerConfig:
     """Tokenizer directory; defaults to model.path."""
 
 
+# data.format's choices: the names of llmtrain.data.formats.FORMATS (config imports nothing of llmtrain, so the
+# names are repeated here; tests/test_formats.py checks the two agree).
+FormatName = Literal["text", "instruction", "chat", "preference"]
+
+
 @dataclass
 class SourceConfig:
     path: str = ""
     """A file, glob or directory."""
-    format: Literal["text", "instruction", "chat", "preference"] = "text"
+    format: FormatName = "text"
     """How this source's records become tokens and labels."""
     weight: float = 1.0
     """Relative sampling frequency among data.sources."""
@@ -53,7 +58,7 @@ class SourceConfig:
 class DataConfig:
     path: str = ""
     """Training data: a file, a glob or a directory (jsonl/json/parquet/csv/txt); or use data.sources."""
-    format: Literal["text", "instruction", "chat", "preference"] = "text"
+    format: FormatName = "text"
     """text: raw documents; instruction: Alpaca-style records; chat: messages (OpenAI or ShareGPT style);
     preference: {prompt, chosen, rejected} pairs, text or messages (recipes/dpo.py)."""
     sources: list[SourceConfig] | None = None

@@ -19,20 +19,35 @@ import torch.distributed as dist
 
 from llmtrain.config import ConfigError, DataConfig, SourceConfig
 from llmtrain.data import sources as sources_lib
-from llmtrain.data.formats import ENCODERS, IGNORE, BadRecord, prepare_tokenizer
+from llmtrain.data.formats import FORMATS, IGNORE, BadRecord, Format, Rows, prepare_tokenizer
 from llmtrain.data.packing import RowBuilder, to_rows
-from llmtrain.data.preference import Pair, collate_pairs, encode_preference
 from llmtrain.data.sampling import GlobalOrderSampler, step_batches
 from llmtrain.data.sources import resolve_files
 
-__all__ = ["IGNORE", "GlobalOrderSampler", "step_batches", "resolve_files", "check", "build", "Built",
-           "StreamSteps", "MapSteps", "make_steps", "pairs_batch", "prepare_tokenizer"]
+__all__ = ["IGNORE", "FORMATS", "Format", "Rows", "GlobalOrderSampler", "step_batches", "resolve_files", "check",
+           "formats_used", "rows_kind", "build", "Built", "StreamSteps", "MapSteps", "make_steps", "pairs_batch",
+           "prepare_tokenizer"]
 
 PACK_BATCH = 1000  # examples packed together; the last row of each batch is padded
 
 
 def sources(section: DataConfig) -> list[SourceConfig]:
     return section.sources or [SourceConfig(section.path, section.format, 1.0)]
+
+
+def formats_used(section: DataConfig) -> set[str]:
+    """The formats (FORMATS' names) a data section reads: data.format, or each of data.sources' formats."""
+    return {s.format for s in sources(section)}
+
+
+def rows_kind(section: DataConfig) -> Rows:
+    """The one kind of rows (FORMATS[f].rows) the section's formats make: a run trains on one kind."""
+    kinds = {FORMATS[f].rows.name: FORMATS[f].rows for f in sorted(formats_used(section))}
+    if len(kinds) > 1:
+        made = ", ".join(f"{f}: {FORMATS[f].rows.name}" for f in sorted(formats_used(section)))
+        raise ConfigError(f"data.sources mixes formats that make different kinds of rows ({made}); "
+                          "one run trains on one kind")
+    return next(iter(kinds.values()))
 
 
 def check(section: DataConfig) -> None:
@@ -43,10 +58,10 @@ def check(section: DataConfig) -> None:
             raise ConfigError(f"data.sources[{i}].weight must be > 0")
     if section.val_path:
         sources_lib.check(section.val_path, "data.val_path")
-    formats = {s.format for s in sources(section)}
-    if "preference" in formats and (len(formats) > 1 or section.streaming):
-        raise ConfigError("data.format=preference (pairs) cannot be mixed with other formats in data.sources "
-                          "nor used with data.streaming")
+    kind = rows_kind(section)
+    if section.streaming and not kind.packs:
+        raise ConfigError(f"data.streaming: data.format {', '.join(sorted(formats_used(section)))} makes "
+                          f"{kind.name}, which are not packed and cannot be streamed; set data.streaming=false")
 
 
 @dataclass
@@ -70,39 +85,19 @@ class Stats:
         return text
 
 
-def _encode_batch(batch: dict, section: DataConfig, fmt: str, tokenizer) -> dict:
-    if fmt == "preference":
-        return _encode_pairs(batch, section, tokenizer)
-    encode = ENCODERS[fmt]
-    out = {"input_ids": [], "labels": [], "split": [], "error": [], "where": []}
+def _encode_batch(batch: dict, section: DataConfig, fmt: Format, tokenizer) -> dict:
+    """A batch of loaded rows -> the columns of their format's kind of rows, and each bad record's reason and
+    place ("" for a good one)."""
+    out = {**{k: [] for k in fmt.rows.empty}, "error": [], "where": []}
     for row in (dict(zip(batch, values)) for values in zip(*batch.values())):
         record, where, error = sources_lib.record_of(row)
-        ids, labels = [], []
+        example = fmt.rows.empty
         if not error:
             try:
-                ids, labels = encode(record, section, tokenizer)
+                example = fmt.rows.columns(fmt.encode(record, section, tokenizer), fmt, section)
             except BadRecord as e:
                 error = str(e)
-        out["input_ids"].append(ids)
-        out["labels"].append(labels)
-        out["split"].append(fmt == "text")
-        out["error"].append(error)
-        out["where"].append(where if error else "")
-    return out
-
-
-def _encode_pairs(batch: dict, section: DataConfig, tokenizer) -> dict:
-    """format=preference: a pair's prompt, chosen and rejected ids (not packed: collate_pairs makes the rows)."""
-    out = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "truncated": [], "error": [], "where": []}
-    for row in (dict(zip(batch, values)) for values in zip(*batch.values())):
-        record, where, error = sources_lib.record_of(row)
-        pair = Pair([], [], [], False)
-        if not error:
-            try:
-                pair = encode_preference(record, section, tokenizer)
-            except BadRecord as e:
-                error = str(e)
-        for key, value in zip(("prompt_ids", "chosen_ids", "rejected_ids", "truncated"), pair):
+        for key, value in example.items():
             out[key].append(value)
         out["error"].append(error)
         out["where"].append(where if error else "")
@@ -125,7 +120,9 @@ def _examples(path: str, fmt: str, key: str, section: DataConfig, tokenizer, sta
 
     def encode(ds, name: str):
         return ds.map(_encode_batch, batched=True, remove_columns=ds.column_names, desc=f"tokenize {name}",
-                      fn_kwargs={"section": section, "fmt": fmt, "tokenizer": tokenizer})
+                      # The Format itself, not its name: datasets' cache key hashes functions by name only, so
+                      # the format's definition (its columns among it) is what tells a cache of older rows apart.
+                      fn_kwargs={"section": section, "fmt": FORMATS[fmt], "tokenizer": tokenizer})
 
     encoded, parts = [], []
     for ds, part in sources_lib.load(path, key):
@@ -154,13 +151,12 @@ def _pack_batch(batch: dict, seq_len: int, pad_id: int, packing: bool) -> dict:
     return rows
 
 
-def _rows(examples, section: DataConfig, tokenizer, stats: Stats):
+def _rows(examples, kind: Rows, section: DataConfig, tokenizer, stats: Stats):
     stats.num_examples += len(examples)
-    if "chosen_ids" in examples.column_names:  # pairs: collate_pairs pads each micro-batch
-        stats.truncated += sum(examples["truncated"])
-        return examples.remove_columns("truncated")
-    stats.truncated += sum(1 for ids, split in zip(examples["input_ids"], examples["split"])
-                           if len(ids) > section.seq_len and not (split and section.packing))
+    stats.truncated += sum(examples["truncated"])
+    examples = examples.remove_columns("truncated")
+    if not kind.packs:  # one example per row: kind.collate pads each micro-batch
+        return examples
     return examples.map(_pack_batch, batched=True, batch_size=PACK_BATCH, remove_columns=examples.column_names,
                         desc="pack" if section.packing else "pad",
                         fn_kwargs={"seq_len": section.seq_len, "pad_id": tokenizer.pad_token_id,
@@ -175,8 +171,8 @@ class Built:
     train: object  # datasets.Dataset of rows, or a StreamingRows
     val: object | None
     stats: Stats
-    # How a micro-batch's rows become tensors: None for rows of equal length (stacked as they are);
-    # format=preference: pairs, padded per micro-batch into chosen and rejected rows (collate_pairs).
+    # How a micro-batch's rows become tensors (the rows kind's collate with the pad id): None for rows of
+    # equal length (stacked as they are); pairs: padded per micro-batch into chosen and rejected rows.
     collate: Collate | None = None
 
 
@@ -184,7 +180,7 @@ def build(section: DataConfig, tokenizer, seed: int, is_main: bool = True, rank:
           world_size: int = 1) -> Built:
     """Train (and validation) rows. Collective when a process group exists: rank 0 tokenizes first
     (filling the datasets cache), the others wait, then read the cache."""
-    prepare_tokenizer(tokenizer, {s.format for s in sources(section)})
+    prepare_tokenizer(tokenizer, formats_used(section))
     distributed = dist.is_initialized()
     if distributed and not is_main:
         dist.barrier()
@@ -202,6 +198,7 @@ def _build(section: DataConfig, tokenizer, seed: int, rank: int, world_size: int
     from datasets import interleave_datasets
 
     stats = Stats(streaming=section.streaming)
+    kind = rows_kind(section)
     val = None
     if section.streaming:
         train = StreamingRows(section, tokenizer, seed, rank, world_size)
@@ -215,22 +212,19 @@ def _build(section: DataConfig, tokenizer, seed: int, rank: int, world_size: int
         examples = parts[0]
         if section.val_fraction and not section.val_path:
             split = examples.train_test_split(test_size=section.val_fraction, seed=seed, shuffle=True)
-            examples, val = split["train"], _rows(split["test"], section, tokenizer, Stats())
-        train = _rows(examples, section, tokenizer, stats)
+            examples, val = split["train"], _rows(split["test"], kind, section, tokenizer, Stats())
+        train = _rows(examples, kind, section, tokenizer, stats)
         if len(train) == 0:
             raise ConfigError(f"the training data yields no rows ({stats.summary()})")
-        if "chosen_ids" in train.column_names:
-            # Each training pair's position rides along in its batches: precomputed reference log-probs are
-            # looked up by it (llmtrain/reference_cache.py). Validation pairs have none: nothing of theirs is.
-            train = train.add_column("pair_index", list(range(len(train))))
+        if kind.index:  # validation rows have none: nothing is looked up by it for them
+            train = train.add_column(kind.index, list(range(len(train))))
         train = train.with_format("torch")
     if section.val_path:
         val_examples = _examples(section.val_path, sources(section)[0].format, "data.val_path", section, tokenizer,
                                  Stats())
-        val = _rows(val_examples, section, tokenizer, Stats())
-    pairs = {s.format for s in sources(section)} == {"preference"}
+        val = _rows(val_examples, kind, section, tokenizer, Stats())
     return Built(train, val.with_format("torch") if val is not None else None, stats,
-                 functools.partial(_collate_pairs, pad_id=tokenizer.pad_token_id) if pairs else None)
+                 functools.partial(kind.collate, pad_id=tokenizer.pad_token_id) if kind.collate else None)
 
 
 class StreamingRows:
@@ -259,18 +253,18 @@ class StreamingRows:
         self.stream.set_epoch(epoch)  # a new shuffle every epoch
         builder = RowBuilder(self.section.seq_len, self.tokenizer.pad_token_id)
         for record in self.stream:
-            fmt = record.pop("__format")
+            fmt = FORMATS[record.pop("__format")]
             record, where, error = sources_lib.record_of(record)
             try:
                 if error:
                     raise BadRecord(error)
-                ids, labels = ENCODERS[fmt](record, self.section, self.tokenizer)
+                example = fmt.rows.columns(fmt.encode(record, self.section, self.tokenizer), fmt, self.section)
             except BadRecord as e:
                 if self.section.strict:
                     raise ConfigError(f"{where + ': ' if where else ''}{e} (data.strict=true)") from None
                 warnings.warn(f"skipping bad records: {e}")  # once per reason (warnings dedups)
                 continue
-            builder.add(ids, labels, fmt == "text" and self.section.packing)
+            builder.add(example["input_ids"], example["labels"], example["split"] and self.section.packing)
             if not self.section.packing:
                 builder.flush()
             yield from _drain(builder)
@@ -288,12 +282,6 @@ def _drain(builder: RowBuilder) -> Iterator[dict[str, list[int]]]:
 
 def _collate(rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
     return {k: torch.tensor([r[k] for r in rows]) for k in rows[0]}
-
-
-def _collate_pairs(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    batch = collate_pairs([Pair(r["prompt_ids"].tolist(), r["chosen_ids"].tolist(), r["rejected_ids"].tolist(),
-                                False) for r in rows], pad_id)
-    return {**batch, "pair_index": torch.stack([r["pair_index"] for r in rows])} if "pair_index" in rows[0] else batch
 
 
 def pairs_batch(built: Built, positions: list[int]) -> dict[str, torch.Tensor]:

@@ -1,17 +1,26 @@
-"""Records -> (input_ids, labels). labels[i] is input_ids[i] where token i carries a loss, else IGNORE.
-Bad records raise BadRecord with the reason; the caller counts/skips them or stops (data.strict)."""
+"""The data formats: FORMATS names each one (data.format, data.sources[i].format) with what it does: its
+encoder (record -> tokens), the kind of rows it makes (Rows: tokens packed into rows of data.seq_len, or
+preference pairs collated per micro-batch), whether packing cuts its examples, whether it needs a chat
+template. A new format is one entry here plus its encoder (and the name in config.py's FormatName).
+
+The token formats' encoders are here: record -> (input_ids, labels), labels[i] is input_ids[i] where token i
+carries a loss, else IGNORE. Bad records raise BadRecord with the reason; the caller counts/skips them or
+stops (data.strict)."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
+import torch
 from jinja2 import TemplateError
 
 from llmtrain.config import DataConfig
+from llmtrain.data.preference import Pair, collate_pairs, encode_preference
+from llmtrain.data.records import IGNORE, BadRecord, parse_turns, text_field
 
-IGNORE = -100
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "system": "system", "bot": "assistant", "model": "assistant"}
 # Used when a tokenizer has no chat template. {% generation %} marks what the assistant says, so
 # transformers returns the trained-token mask from the rendering itself.
 DEFAULT_CHAT_TEMPLATE = (
@@ -25,19 +34,8 @@ DEFAULT_CHAT_TEMPLATE = (
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-class BadRecord(ValueError):
-    pass
-
-
-def _text_field(record: dict, name: str) -> str:
-    value = record.get(name)
-    if not isinstance(value, str):
-        raise BadRecord(f"field {name!r} is {'missing' if value is None else type(value).__name__}, not text")
-    return value
-
-
 def encode_text(record: dict, section: DataConfig, tokenizer) -> tuple[list[int], list[int]]:
-    text = _text_field(record, section.text_field)
+    text = text_field(record, section.text_field)
     if not text:
         raise BadRecord(f"field {section.text_field!r} is empty")
     ids = tokenizer(text)["input_ids"]  # the tokenizer's own special-token convention (BOS or not)
@@ -47,8 +45,8 @@ def encode_text(record: dict, section: DataConfig, tokenizer) -> tuple[list[int]
 
 
 def encode_instruction(record: dict, section: DataConfig, tokenizer) -> tuple[list[int], list[int]]:
-    instruction = _text_field(record, section.instruction_field)
-    output = _text_field(record, section.output_field)
+    instruction = text_field(record, section.instruction_field)
+    output = text_field(record, section.output_field)
     extra = record.get(section.input_field) or ""
     if not isinstance(extra, str):
         raise BadRecord(f"field {section.input_field!r} is {type(extra).__name__}, not text")
@@ -72,23 +70,6 @@ def chat_messages(record: dict, section: DataConfig) -> list[dict]:
         raise BadRecord(f"no {section.messages_field!r} (or ShareGPT 'conversations') field")
     if not any(m["role"] == "assistant" for m in messages):
         raise BadRecord("no assistant turn")
-    return messages
-
-
-def parse_turns(raw, role_key: str = "role", content_key: str = "content") -> list[dict]:
-    """A list of turns -> validated {role, content} messages; role_key 'from' maps ShareGPT roles."""
-    if not isinstance(raw, list) or not raw:
-        raise BadRecord("empty conversation")
-    messages = []
-    for turn in raw:
-        if not isinstance(turn, dict):
-            raise BadRecord(f"a turn is {type(turn).__name__}, not a mapping")
-        role = SHAREGPT_ROLES.get(turn.get(role_key)) if role_key == "from" else turn.get(role_key)
-        if role not in ("system", "user", "assistant"):
-            raise BadRecord(f"unknown role {turn.get(role_key)!r}")
-        if not isinstance(turn.get(content_key), str):
-            raise BadRecord(f"a {role} turn has no text {content_key!r}")
-        messages.append({"role": role, "content": turn[content_key]})
     return messages
 
 
@@ -134,10 +115,73 @@ def _mask_by_offsets(messages: list[dict], tokenizer) -> tuple[list[int], list[i
     return ids, mask
 
 
-ENCODERS = {"text": encode_text, "instruction": encode_instruction, "chat": encode_chat}
+@dataclass(frozen=True)
+class Rows:
+    """A kind of rows (what a recipe trains on): the columns an encoded record is stored as, and how those
+    examples become training rows and a micro-batch of rows becomes tensors."""
+    name: str
+    columns: Callable[[Any, Format, DataConfig], dict]
+    """(the encoder's result, its format, data section) -> the example's columns, a bool "truncated" among them."""
+    empty: dict
+    """The columns of a bad record (it is counted, then dropped)."""
+    packs: bool
+    """Examples are (input_ids, labels), packed or padded into rows of data.seq_len by packing.py (so they can
+    also stream); else each example is a row of its own and `collate` pads a micro-batch of them."""
+    collate: Callable[[list[dict], int], dict[str, torch.Tensor]] | None = None
+    """(rows, pad id) -> a micro-batch; None: the rows have one length and are stacked as they are."""
+    index: str | None = None
+    """A column numbering the training rows, carried into their batches (pairs: precomputed reference
+    log-probs are looked up by it, llmtrain/reference_cache.py)."""
+
+
+@dataclass(frozen=True)
+class Format:
+    """One value of data.format (and data.sources[i].format)."""
+    name: str
+    encode: Callable[[dict, DataConfig, Any], Any]
+    """(record, data section, tokenizer) -> what `rows.columns` stores; raises BadRecord for a bad record."""
+    rows: Rows
+    splits: bool = False
+    """Packing cuts this format's examples across rows (documents) instead of truncating them to data.seq_len."""
+    chat_template: bool = False
+    """The encoder renders with the tokenizer's chat template (prepare_tokenizer supplies a default)."""
+
+
+def _token_columns(encoded: tuple[list[int], list[int]], fmt: Format, section: DataConfig) -> dict:
+    ids, labels = encoded
+    return {"input_ids": ids, "labels": labels, "split": fmt.splits,
+            "truncated": len(ids) > section.seq_len and not (fmt.splits and section.packing)}
+
+
+def _pair_columns(pair: Pair, fmt: Format, section: DataConfig) -> dict:
+    return {"prompt_ids": pair.prompt, "chosen_ids": pair.chosen, "rejected_ids": pair.rejected,
+            "truncated": pair.truncated}
+
+
+PAIR_INDEX = "pair_index"
+
+
+def _collate_pair_rows(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Stored pairs (torch-formatted rows) -> collate_pairs' batch, with their pair_index when they have one."""
+    batch = collate_pairs([Pair(r["prompt_ids"].tolist(), r["chosen_ids"].tolist(), r["rejected_ids"].tolist(),
+                                False) for r in rows], pad_id)
+    return {**batch, PAIR_INDEX: torch.stack([r[PAIR_INDEX] for r in rows])} if PAIR_INDEX in rows[0] else batch
+
+
+TOKENS = Rows("tokens", _token_columns, {"input_ids": [], "labels": [], "split": False, "truncated": False},
+              packs=True)
+PAIRS = Rows("pairs", _pair_columns, {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "truncated": False},
+             packs=False, collate=_collate_pair_rows, index=PAIR_INDEX)
+
+FORMATS: dict[str, Format] = {f.name: f for f in (
+    Format("text", encode_text, TOKENS, splits=True),
+    Format("instruction", encode_instruction, TOKENS),
+    Format("chat", encode_chat, TOKENS, chat_template=True),
+    Format("preference", encode_preference, PAIRS, chat_template=True),
+)}
 
 
 def prepare_tokenizer(tokenizer, formats: set[str]) -> None:
-    """Chat and preference pairs need a template; a tokenizer without one gets DEFAULT_CHAT_TEMPLATE."""
-    if formats & {"chat", "preference"} and not tokenizer.chat_template:
+    """A tokenizer without a chat template gets DEFAULT_CHAT_TEMPLATE when one of these formats needs one."""
+    if any(FORMATS[f].chat_template for f in formats) and not tokenizer.chat_template:
         tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE

@@ -24,7 +24,7 @@ import torch
 from jinja2 import TemplateError
 
 from llmtrain.config import DataConfig
-from llmtrain.data.formats import IGNORE, BadRecord, _text_field, parse_turns
+from llmtrain.data.records import IGNORE, BadRecord, parse_turns, text_field
 
 
 class Pair(NamedTuple):
@@ -51,10 +51,10 @@ def encode_preference(record: dict, section: DataConfig, tokenizer) -> Pair:
 
 
 def _text_ids(record: dict, tokenizer) -> tuple[list[int], list[int], list[int]]:
-    prompt = _text_field(record, "prompt")
+    prompt = text_field(record, "prompt")
     responses = []
     for name in ("chosen", "rejected"):
-        text = _text_field(record, name)
+        text = text_field(record, name)
         if not text.strip():
             raise BadRecord(f"empty {name!r}")
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
