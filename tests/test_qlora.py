@@ -33,17 +33,17 @@ SEED = 3
 CODE_HALF_GAP = 0.1519
 
 
-def model_config() -> LlamaConfig:
-    config = LlamaConfig(**MODEL)
+def model_config(shape: dict = MODEL) -> LlamaConfig:
+    config = LlamaConfig(**shape)
     config._attn_implementation = "eager"
     config.use_cache = False
     return config
 
 
-def build(strategy: str, section: LoraConfig, dtype: torch.dtype = torch.float32):
+def build(strategy: str, section: LoraConfig, dtype: torch.dtype = torch.float32, shape: dict = MODEL):
     """The model as the recipes build it: meta -> LoRA -> parallelize -> load (random init, seeded) -> NaN
     check -> nf4. lora_B starts random (not PEFT's zero) so that the adapters' gradients depend on the base."""
-    config = model_config()
+    config = model_config(shape)
     model, adapters = lora.prepare(build_meta_model(config, ModelConfig()), section, SEED)
     g = torch.Generator().manual_seed(SEED)
     adapters = {n: torch.randn(t.shape, generator=g) * 0.1 if ".lora_B." in n else t for n, t in adapters.items()}
@@ -52,17 +52,20 @@ def build(strategy: str, section: LoraConfig, dtype: torch.dtype = torch.float32
     model = parallelize.parallelize(model, ParallelConfig(strategy=strategy, mixed_precision="fp32"
                                                           if dtype == torch.float32 else "bf16"),
                                     plan, mesh, torch.device("cpu"))
-    load_weights(model, plan.strategy, ModelConfig(config=MODEL), config, SEED, adapters)
+    load_weights(model, plan.strategy, ModelConfig(config=shape), config, SEED, adapters)
     check_initialized(model)
     return model, nf4.quantize_(model, section)
 
 
 def step(model, steps: int = 2) -> dict:
     """Forward and backward on one fixed batch (the same on every rank), then an AdamW step and again:
-    the losses, the first forward's logits and the adapters' first gradients (gathered)."""
+    the losses, the first forward's logits, the adapters' first gradients (gathered) and the type of a
+    base weight inside its layer's forward (fsdp2: what the all-gather made)."""
     ids = torch.randint(0, MODEL["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(SEED))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     out = {"losses": []}
+    layer = next(m for n, m in model.named_modules() if n.endswith("layers.0.mlp.down_proj.base_layer"))
+    layer.register_forward_pre_hook(lambda m, args: out.update(weight_in_forward=type(m.weight).__name__))
     for i in range(steps):
         result = model(input_ids=ids, labels=ids)
         result.loss.backward()
@@ -111,8 +114,10 @@ def test_plan_takes_the_block_linears_only_and_ignores_the_strategy():
     assert nf4.plan(model, replace(attn_only, quantize_base="none")).quantized == {}
 
 
-def test_round_trip_error_within_the_nf4_bound_and_equal_to_torchao():
+def test_round_trip_error_within_the_nf4_bound_and_equal_to_torchao(monkeypatch):
     from torchao.quantization import to_nf4
+
+    monkeypatch.setattr(nf4, "CHUNK", 6400)  # several chunks per weight, the last one short
 
     g = torch.Generator().manual_seed(0)
     for shape, scaler in (((704, 256), 256), ((128, 256), 256), ((32, 64), 32)):
@@ -187,6 +192,7 @@ def two_ranks(tmp_path_factory) -> dict:
 def test_two_ranks_compute_what_one_process_computes(two_ranks, nf4_none, strategy):
     model, report, want = nf4_none
     got = two_ranks[strategy]
+    assert got["weight_in_forward"] == "NF4Tensor"  # fsdp2 gathered the 4-bit pieces, not a dequantized copy
     for name, w in dequantized_base(model).items():  # the same 4-bit values as one process, bit for bit
         assert torch.equal(got["base"][name], w), name
     assert (got["logits"] - want["logits"]).abs().max() < 1e-5
@@ -214,6 +220,39 @@ def test_fsdp2_bf16_compute_on_the_nf4_base_runs(two_ranks):
     assert all(map(torch.isfinite, map(torch.tensor, losses))) and losses[-1] < losses[0]
 
 
+# 51M parameters, 50M of them in the blocks' linear weights (200 MB in fp32, 26 MB as NF4)
+BIG = dict(MODEL, hidden_size=1024, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=8,
+           num_hidden_layers=4)
+
+
+@pytest.mark.slow
+def test_quantizing_after_loading_does_not_raise_the_host_peak(tmp_path):
+    """One process each (ru_maxrss is per process): building the QLoRA model peaks no higher than building
+    the LoRA one, and afterwards holds the bytes NF4 saved less."""
+    from conftest import launch
+
+    seen = {}
+    for mode in ("none", "nf4"):
+        proc = launch([Path(__file__), "memory", mode], torchrun=False, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        seen[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    saved = seen["nf4"]["base_bytes_fp32"] - seen["nf4"]["base_bytes_nf4"]
+    assert seen["nf4"]["peak"] <= seen["none"]["peak"] + (4 << 20), seen
+    assert seen["none"]["rss"] - seen["nf4"]["rss"] > 0.8 * saved, (seen, saved)
+
+
+def memory(mode: str) -> None:
+    import resource
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    model, report = build("none", replace(QLORA, quantize_base=mode), shape=BIG)
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * resource.getpagesize()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"peak": peak, "rss": rss, "base_bytes_fp32": 2 * report.bf16_bytes,
+                      "base_bytes_nf4": report.nf4_bytes}))
+
+
 def main(out: Path) -> None:
     """The 2-rank worker: fsdp2 and ddp (and fsdp2 with bf16 compute), each built, stepped, and its
     dequantized base gathered; rank 0 saves them."""
@@ -231,4 +270,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    memory(sys.argv[2]) if sys.argv[1] == "memory" else main(Path(sys.argv[1]))
