@@ -5,6 +5,7 @@ included. Run as a script (`torchrun tests/test_qlora.py OUT`), it is the 2-rank
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -25,6 +26,7 @@ from llmtrain.models.hf import build_meta_model, check_initialized, clean_name, 
 # gate/up 704 x 256 and down 256 x 704 (2816 blocks: 11 groups, which 2 fsdp2 ranks cannot split: the fallback).
 MODEL = dict(vocab_size=256, hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+ODD = dict(MODEL, intermediate_size=705)
 QLORA = LoraConfig(enabled=True, r=4, alpha=8.0, dropout=0.0, quantize_base="nf4")
 SEED = 3
 # NF4's 16 codes (QLoRA, Dettmers et al. 2023, appendix E) are at most 0.3038 apart (-1 to -0.6962): a weight
@@ -215,6 +217,18 @@ def test_fsdp2_shards_that_do_not_divide_store_finer_scaler_groups(two_ranks):
 
 
 @pytest.mark.slow
+def test_fsdp2_rows_that_do_not_split_stay_full_precision_named(two_ranks):
+    """gate/up of 705 rows cannot be split into equal 4-bit pieces over 2 ranks: kept (and named) on fsdp2, where
+    none/ddp quantize them; down (256 x 705) splits, in groups of 2 scales (2820 blocks: groups of gcd 4)."""
+    report = two_ranks["fsdp2_odd"]["report"]
+    odd = {f"model.layers.{i}.mlp.{m}_proj.base_layer.weight" for i in range(2) for m in ("gate", "up")}
+    assert set(report["skipped"]) == odd and report["weights"] == 10
+    assert all("(705, 256) over 2 ranks are not whole rows" in why for why in report["skipped"].values())
+    assert set(report["finer_groups"].values()) == {2}
+    assert all(map(math.isfinite, two_ranks["fsdp2_odd"]["losses"]))
+
+
+@pytest.mark.slow
 def test_fsdp2_bf16_compute_on_the_nf4_base_runs(two_ranks):
     losses = two_ranks["fsdp2_bf16"]["losses"]
     assert all(map(torch.isfinite, map(torch.tensor, losses))) and losses[-1] < losses[0]
@@ -258,12 +272,13 @@ def main(out: Path) -> None:
     dequantized base gathered; rank 0 saves them."""
     dist.init_process_group("gloo")
     results = {}
-    for name, strategy, dtype in (("fsdp2", "fsdp2", torch.float32), ("ddp", "ddp", torch.float32),
-                                  ("fsdp2_bf16", "fsdp2", torch.bfloat16)):
-        model, report = build(strategy, QLORA, dtype)
+    for name, strategy, dtype, shape, steps in (("fsdp2", "fsdp2", torch.float32, MODEL, 2),
+                                                ("ddp", "ddp", torch.float32, MODEL, 2),
+                                                ("fsdp2_bf16", "fsdp2", torch.bfloat16, MODEL, 4),
+                                                ("fsdp2_odd", "fsdp2", torch.float32, ODD, 1)):
+        model, report = build(strategy, QLORA, dtype, shape)
         base = dequantized_base(model)
-        results[name] = {**step(model, steps=2 if dtype == torch.float32 else 4), "base": base,
-                         "report": json.loads(json.dumps(report.__dict__))}
+        results[name] = {**step(model, steps), "base": base, "report": json.loads(json.dumps(report.__dict__))}
     if dist.get_rank() == 0:
         torch.save(results, out)
     dist.destroy_process_group()
