@@ -24,8 +24,8 @@ from llmtrain.models.hf import build_meta_model, check_initialized, clean_name, 
 
 # hidden 256, MLP 704: q/o 256 x 256 (1024 blocks of 64, 4 scaler groups of 256), k/v 128 x 256 (2 groups),
 # gate/up 704 x 256 and down 256 x 704 (2816 blocks: 11 groups, which 2 fsdp2 ranks cannot split: the fallback).
-MODEL = dict(vocab_size=256, hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+MODEL = {"vocab_size": 256, "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "tie_word_embeddings": True}
 ODD = dict(MODEL, intermediate_size=705)
 QLORA = LoraConfig(enabled=True, r=4, alpha=8.0, dropout=0.0, quantize_base="nf4")
 SEED = 3
@@ -147,8 +147,7 @@ def test_nf4_base_computes_what_lora_on_the_dequantized_base_computes(nf4_none, 
     assert report.weights == 14 and not report.skipped and not report.finer_groups
     assert 0.25 < report.nf4_bytes / report.bf16_bytes < 0.27, report.describe()
     assert "0.258x" in report.describe()
-    reference = LoraConfig(**{**QLORA.__dict__, "quantize_base": "none"})
-    ref_model, ref_report = build("none", reference)
+    ref_model, ref_report = build("none", replace(QLORA, quantize_base="none"))
     assert ref_report.weights == 0
     quantized = dict(model.named_parameters())
     with torch.no_grad():
@@ -192,7 +191,7 @@ def two_ranks(tmp_path_factory) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
 def test_two_ranks_compute_what_one_process_computes(two_ranks, nf4_none, strategy):
-    model, report, want = nf4_none
+    model, _, want = nf4_none
     got = two_ranks[strategy]
     assert got["weight_in_forward"] == "NF4Tensor"  # fsdp2 gathered the 4-bit pieces, not a dequantized copy
     for name, w in dequantized_base(model).items():  # the same 4-bit values as one process, bit for bit
@@ -259,7 +258,7 @@ def memory(mode: str) -> None:
     import resource
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    model, report = build("none", replace(QLORA, quantize_base=mode), shape=BIG)
+    _, report = build("none", replace(QLORA, quantize_base=mode), shape=BIG)
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * resource.getpagesize()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
