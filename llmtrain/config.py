@@ -244,6 +244,13 @@ class LoraConfig:
     """Storage dtype of the frozen base weights (bf16 halves their memory; needs parallel.mixed_precision=bf16)."""
     export: Literal["adapter", "merged", "both"] = "both"
     """What the export writes: output_dir/adapter (PEFT format), output_dir/hf (adapters merged in), or both."""
+    quantize_base: Literal["none", "nf4"] = "none"
+    """nf4 (QLoRA): the frozen linear weights of the decoder blocks stored 4-bit (torchao's NF4; llmtrain[qlora]);
+    embeddings, norms and the output layer stay in base_dtype. llmtrain/models/nf4.py."""
+    nf4_block_size: int = 64
+    """NF4: weights per absmax scale (QLoRA's and torchtune's 64)."""
+    nf4_scaler_block_size: int = 256
+    """NF4: scales per 8-bit-quantized group of scales (double quantization; QLoRA's and torchtune's 256)."""
 
 
 @dataclass

@@ -1,0 +1,287 @@
+"""QLoRA's NF4 base (llmtrain/models/nf4.py): which weights, the round-trip bound, the quantized model equal to
+LoRA on the dequantized base, and 2-rank fsdp2/ddp (gloo) equal to one process, the non-dividing fsdp2 shards
+included. Run as a script (`torchrun tests/test_qlora.py OUT`), it is the 2-rank worker."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from transformers import LlamaConfig
+
+from llmtrain import parallelize
+from llmtrain.config import ConfigError, LoraConfig, ModelConfig, ParallelConfig
+from llmtrain.models import lora, nf4
+from llmtrain.models.hf import build_meta_model, check_initialized, clean_name, load_weights
+
+# hidden 256, MLP 704: q/o 256 x 256 (1024 blocks of 64, 4 scaler groups of 256), k/v 128 x 256 (2 groups),
+# gate/up 704 x 256 and down 256 x 704 (2816 blocks: 11 groups, which 2 fsdp2 ranks cannot split: the fallback).
+MODEL = {"vocab_size": 256, "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "tie_word_embeddings": True}
+ODD = dict(MODEL, intermediate_size=705)
+QLORA = LoraConfig(enabled=True, r=4, alpha=8.0, dropout=0.0, quantize_base="nf4")
+SEED = 3
+# NF4's 16 codes (QLoRA, Dettmers et al. 2023, appendix E) are at most 0.3038 apart (-1 to -0.6962): a weight
+# scaled by its block's absmax lands at most 0.1519 from its code. The scale itself is stored as int8 steps
+# of 2 * max|scale - mean| / 256 over its group of 256: at most half a step off, times |code| <= 1.
+CODE_HALF_GAP = 0.1519
+
+
+def model_config(shape: dict = MODEL) -> LlamaConfig:
+    config = LlamaConfig(**shape)
+    config._attn_implementation = "eager"
+    config.use_cache = False
+    return config
+
+
+def build(strategy: str, section: LoraConfig, dtype: torch.dtype = torch.float32, shape: dict = MODEL):
+    """The model as the recipes build it: meta -> LoRA -> parallelize -> load (random init, seeded) -> NaN
+    check -> nf4. lora_B starts random (not PEFT's zero) so that the adapters' gradients depend on the base."""
+    config = model_config(shape)
+    model, adapters = lora.prepare(build_meta_model(config, ModelConfig()), section, SEED)
+    g = torch.Generator().manual_seed(SEED)
+    adapters = {n: torch.randn(t.shape, generator=g) * 0.1 if ".lora_B." in n else t for n, t in adapters.items()}
+    plan = parallelize.Plan(parallelize.STRATEGIES[strategy], "test", dtype)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("shard",))
+    model = parallelize.parallelize(model, ParallelConfig(strategy=strategy, mixed_precision="fp32"
+                                                          if dtype == torch.float32 else "bf16"),
+                                    plan, mesh, torch.device("cpu"))
+    load_weights(model, plan.strategy, ModelConfig(config=shape), config, SEED, adapters)
+    check_initialized(model)
+    return model, nf4.quantize_(model, section)
+
+
+def step(model, steps: int = 2) -> dict:
+    """Forward and backward on one fixed batch (the same on every rank), then an AdamW step and again:
+    the losses, the first forward's logits, the adapters' first gradients (gathered) and the type of a
+    base weight inside its layer's forward (fsdp2: what the all-gather made)."""
+    ids = torch.randint(0, MODEL["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(SEED))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    out = {"losses": []}
+    layer = next(m for n, m in model.named_modules() if n.endswith("layers.0.mlp.down_proj.base_layer"))
+    layer.register_forward_pre_hook(lambda m, args: out.update(weight_in_forward=type(m.weight).__name__))
+    for i in range(steps):
+        result = model(input_ids=ids, labels=ids)
+        result.loss.backward()
+        out["losses"].append(result.loss.item())
+        if i == 0:
+            out["logits"] = result.logits.detach()
+            out["grads"] = {clean_name(n): full(p.grad) for n, p in model.named_parameters() if p.requires_grad}
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+
+
+def dequantized_base(model) -> dict[str, torch.Tensor]:
+    """{name: the dequantized full weight} of every quantized weight."""
+    return {clean_name(n): full(nf4.dequantized(p)) for n, p in model.named_parameters() if nf4.is_nf4(p)}
+
+
+@pytest.fixture
+def nf4_none(single_process_group):
+    model, report = build("none", QLORA)
+    return model, report, step(model)
+
+
+def test_plan_takes_the_block_linears_only_and_ignores_the_strategy():
+    model, _ = lora.prepare(build_meta_model(model_config(), ModelConfig()), QLORA, SEED)
+    chosen = nf4.plan(model, QLORA)
+    per_layer = {n.split(".", 3)[3] for n in chosen.quantized}
+    assert per_layer == {f"{m}.base_layer.weight" for m in ("self_attn.q_proj", "self_attn.k_proj",
+                                                           "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                                                           "mlp.up_proj", "mlp.down_proj")}
+    assert len(chosen.quantized) == 14 and not chosen.skipped
+    # scaler groups from the shape alone: 2816 blocks is 11 groups of 256
+    assert chosen.quantized["model.layers.0.mlp.up_proj.base_layer.weight"] == 256
+    # a block size that does not divide a weight leaves it in full precision, named
+    odd = nf4.plan(model, replace(QLORA, nf4_block_size=176))
+    assert "model.layers.0.mlp.up_proj.base_layer.weight" in odd.quantized  # 704 * 256 = 1024 * 176
+    assert odd.skipped["model.layers.0.self_attn.k_proj.base_layer.weight"].startswith("(128, 256) is not a multiple")
+    # only the targeted layers get adapters; the others are quantized all the same
+    attn_only = replace(QLORA, target_modules=["q_proj"])
+    model, _ = lora.prepare(build_meta_model(model_config(), ModelConfig()), attn_only, SEED)
+    assert len(nf4.plan(model, attn_only).quantized) == 14
+    assert nf4.plan(model, replace(attn_only, quantize_base="none")).quantized == {}
+
+
+def test_round_trip_error_within_the_nf4_bound_and_equal_to_torchao(monkeypatch):
+    from torchao.quantization import to_nf4
+
+    monkeypatch.setattr(nf4, "CHUNK", 6400)  # several chunks per weight, the last one short
+
+    g = torch.Generator().manual_seed(0)
+    for shape, scaler in (((704, 256), 256), ((128, 256), 256), ((32, 64), 32)):
+        w = torch.randn(shape, generator=g) * 0.02
+        q = nf4._quantize_local(w, 64, scaler, None)
+        back = nf4.dequantized(q)
+        assert torch.equal(back, to_nf4(w, 64, scaler).get_original_weight())
+        blocks = w.reshape(-1, 64)
+        absmax = blocks.abs().amax(dim=1)
+        scale_step = 2 * (absmax - absmax.mean()).reshape(-1, scaler).abs().amax(dim=1) / 256
+        bound = CODE_HALF_GAP * absmax + scale_step.repeat_interleave(scaler) / 2
+        err = (back - w).reshape(-1, 64).abs().amax(dim=1)
+        assert (err <= bound * (1 + 1e-6)).all(), (err / bound).max()
+        assert (err / bound).max() > 0.98  # measured 0.989-0.996: the bound is tight
+        # a Gaussian weight's relative error: ||W - dq(q(W))|| / ||W|| measured 0.092-0.094
+        assert 0.085 < (back - w).norm() / w.norm() < 0.1
+        # 4 bits + an int8 scale per 64 + an fp32 factor per 64 * scaler + the mean
+        assert nf4.nbytes(q) == w.numel() // 2 + w.numel() // 64 + 4 * w.numel() // (64 * scaler) + 4
+
+
+def test_nf4_base_computes_what_lora_on_the_dequantized_base_computes(nf4_none, single_process_group):
+    from torchao.quantization import to_nf4
+
+    model, report, got = nf4_none
+    assert report.weights == 14 and not report.skipped and not report.finer_groups
+    assert 0.25 < report.nf4_bytes / report.bf16_bytes < 0.27, report.describe()
+    assert "0.258x" in report.describe()
+    ref_model, ref_report = build("none", replace(QLORA, quantize_base="none"))
+    assert ref_report.weights == 0
+    quantized = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, scaler in nf4.plan(ref_model, QLORA).quantized.items():
+            p = ref_model.get_parameter(name)
+            assert nf4.is_nf4(quantized[name]) and not nf4.is_nf4(p)
+            p.copy_(to_nf4(p.detach().clone(), 64, scaler).get_original_weight())
+    want = step(ref_model)
+    assert (got["logits"] - want["logits"]).abs().max() < 1e-5
+    assert got["grads"].keys() == want["grads"].keys() and len(got["grads"]) == 28
+    for name, g in got["grads"].items():
+        assert g.abs().max() > 0, name
+        assert (g - want["grads"][name]).abs().max() < 1e-5, name
+    assert abs(got["losses"][1] - want["losses"][1]) < 1e-5 and got["losses"][1] < got["losses"][0]
+
+
+def test_setup_errors_name_the_key_and_the_fix(monkeypatch):
+    nf4.check(QLORA, "fsdp2")
+    nf4.check(LoraConfig(), "fsdp")
+    with pytest.raises(ConfigError, match="parallel.strategy=fsdp2"):
+        nf4.check(QLORA, "fsdp")
+    with pytest.raises(ConfigError, match="lora.enabled=true"):
+        nf4.check(replace(QLORA, enabled=False), "none")
+    with pytest.raises(ConfigError, match="lora.nf4_block_size=63"):
+        nf4.check(replace(QLORA, nf4_block_size=63), "none")
+    monkeypatch.setitem(sys.modules, nf4.AO_MODULE, None)  # as if torchao were not installed
+    with pytest.raises(ConfigError, match=r"pip install 'llmtrain\[qlora\]'"):
+        nf4.check(QLORA, "ddp")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict:
+    from conftest import launch
+
+    out = tmp_path_factory.mktemp("qlora") / "two_ranks.pt"
+    proc = launch([Path(__file__), out], nproc=2, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
+def test_two_ranks_compute_what_one_process_computes(two_ranks, nf4_none, strategy):
+    model, _, want = nf4_none
+    got = two_ranks[strategy]
+    assert got["weight_in_forward"] == "NF4Tensor"  # fsdp2 gathered the 4-bit pieces, not a dequantized copy
+    for name, w in dequantized_base(model).items():  # the same 4-bit values as one process, bit for bit
+        assert torch.equal(got["base"][name], w), name
+    assert (got["logits"] - want["logits"]).abs().max() < 1e-5
+    for name, g in want["grads"].items():
+        assert (got["grads"][name] - g).abs().max() < 1e-5, name
+    assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"])) < 1e-5
+
+
+@pytest.mark.slow
+def test_fsdp2_shards_that_do_not_divide_store_finer_scaler_groups(two_ranks):
+    report = two_ranks["fsdp2"]["report"]
+    # gate/up/down: 2816 blocks in 11 groups of 256; a rank's 1408 blocks are 5.5 of them: stored as 128s
+    assert report["finer_groups"] == {f"model.layers.{i}.mlp.{m}_proj.base_layer.weight": 128
+                                      for i in range(2) for m in ("gate", "up", "down")}
+    assert report["weights"] == 14 and not report["skipped"]
+    assert two_ranks["ddp"]["report"]["finer_groups"] == {}
+    # per rank: half the fsdp2 weights' bytes (a few more fp32 factors), all of them under ddp
+    assert 0.25 < report["nf4_bytes"] / report["bf16_bytes"] < 0.27
+    assert abs(2 * report["bf16_bytes"] - two_ranks["ddp"]["report"]["bf16_bytes"]) == 0
+
+
+@pytest.mark.slow
+def test_fsdp2_rows_that_do_not_split_stay_full_precision_named(two_ranks):
+    """gate/up of 705 rows cannot be split into equal 4-bit pieces over 2 ranks: kept (and named) on fsdp2, where
+    none/ddp quantize them; down (256 x 705) splits, in groups of 2 scales (2820 blocks: groups of gcd 4)."""
+    report = two_ranks["fsdp2_odd"]["report"]
+    odd = {f"model.layers.{i}.mlp.{m}_proj.base_layer.weight" for i in range(2) for m in ("gate", "up")}
+    assert set(report["skipped"]) == odd and report["weights"] == 10
+    assert all("(705, 256) over 2 ranks are not whole rows" in why for why in report["skipped"].values())
+    assert set(report["finer_groups"].values()) == {2}
+    assert all(map(math.isfinite, two_ranks["fsdp2_odd"]["losses"]))
+
+
+@pytest.mark.slow
+def test_fsdp2_bf16_compute_on_the_nf4_base_runs(two_ranks):
+    losses = two_ranks["fsdp2_bf16"]["losses"]
+    assert all(map(torch.isfinite, map(torch.tensor, losses))) and losses[-1] < losses[0]
+
+
+# 51M parameters, 50M of them in the blocks' linear weights (200 MB in fp32, 26 MB as NF4)
+BIG = dict(MODEL, hidden_size=1024, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=8,
+           num_hidden_layers=4)
+
+
+@pytest.mark.slow
+def test_quantizing_after_loading_does_not_raise_the_host_peak(tmp_path):
+    """One process each (ru_maxrss is per process): building the QLoRA model peaks no higher than building
+    the LoRA one, and afterwards holds the bytes NF4 saved less."""
+    from conftest import launch
+
+    seen = {}
+    for mode in ("none", "nf4"):
+        proc = launch([Path(__file__), "memory", mode], torchrun=False, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        seen[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    saved = seen["nf4"]["base_bytes_fp32"] - seen["nf4"]["base_bytes_nf4"]
+    assert seen["nf4"]["peak"] <= seen["none"]["peak"] + (4 << 20), seen
+    assert seen["none"]["rss"] - seen["nf4"]["rss"] > 0.8 * saved, (seen, saved)
+
+
+def memory(mode: str) -> None:
+    import resource
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    _, report = build("none", replace(QLORA, quantize_base=mode), shape=BIG)
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * resource.getpagesize()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"peak": peak, "rss": rss, "base_bytes_fp32": 2 * report.bf16_bytes,
+                      "base_bytes_nf4": report.nf4_bytes}))
+
+
+def main(out: Path) -> None:
+    """The 2-rank worker: fsdp2 and ddp (and fsdp2 with bf16 compute), each built, stepped, and its
+    dequantized base gathered; rank 0 saves them."""
+    dist.init_process_group("gloo")
+    results = {}
+    for name, strategy, dtype, shape, steps in (("fsdp2", "fsdp2", torch.float32, MODEL, 2),
+                                                ("ddp", "ddp", torch.float32, MODEL, 2),
+                                                ("fsdp2_bf16", "fsdp2", torch.bfloat16, MODEL, 4),
+                                                ("fsdp2_odd", "fsdp2", torch.float32, ODD, 1)):
+        model, report = build(strategy, QLORA, dtype, shape)
+        base = dequantized_base(model)
+        results[name] = {**step(model, steps), "base": base, "report": json.loads(json.dumps(report.__dict__))}
+    if dist.get_rank() == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    memory(sys.argv[2]) if sys.argv[1] == "memory" else main(Path(sys.argv[1]))
