@@ -18,7 +18,7 @@ from transformers import GenerationConfig
 
 from llmtrain.config import LoraConfig
 from llmtrain.models import lora
-from llmtrain.models.hf import WEIGHTS_FILE, WEIGHTS_INDEX
+from llmtrain.models.hf import WEIGHTS_FILE, WEIGHTS_INDEX, stop_ids
 from llmtrain.models.names import peft_key
 from llmtrain.parallelize import Strategy
 from llmtrain.utils import publish
@@ -52,7 +52,12 @@ def write_hf(state: dict[str, torch.Tensor], out: Path, config, tokenizer, dtype
     config.dtype = dtype
     config.use_cache = True
     config.save_pretrained(tmp)
-    GenerationConfig.from_model_config(config).save_pretrained(tmp)
+    generation = GenerationConfig.from_model_config(config)
+    # A chat-trained model ends its turn with the template's end-of-turn token: plain `generate` (and any
+    # server reading generation_config.json) must stop there too, as Llama 3's own release lists both.
+    stop = stop_ids(config.eos_token_id, tokenizer)
+    generation.eos_token_id = stop if len(stop) > 1 else stop[0] if stop else None
+    generation.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     publish(tmp, out)
 

@@ -29,20 +29,12 @@ def build_inputs(tokenizer, prompt: str, chat: bool, system: str | None = None) 
     return dict(tokenizer(text, return_tensors="pt", add_special_tokens=False))
 
 
-def stop_token_ids(model, tokenizer, chat: bool) -> list[int]:
-    """The model's EOS ids, and with --chat the template's end-of-turn token (the first special token
-    after an assistant message, e.g. <|eot_id|> or <|im_end|>) so a reply ends with its turn."""
-    eos = model.generation_config.eos_token_id
-    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    if chat:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "A"}, {"role": "assistant", "content": "B"}],
-                                             tokenize=False)
-        special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
-        tail = tokenizer(text[text.rindex("B") + 1:], add_special_tokens=False)["input_ids"]
-        ids.update([t for t in tail if t in special][:1])
-    return sorted(ids)
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """The model's EOS ids, the tokenizer's and the end-of-turn token of its chat template (an llmtrain export's
+    generation config lists them all; an export made elsewhere may not), so that a reply ends with its turn."""
+    from llmtrain.models.hf import stop_ids
+
+    return stop_ids(model.generation_config.eos_token_id, tokenizer)
 
 
 def generate(model, tokenizer, prompt: str, chat: bool = False, max_new_tokens: int = 128, temperature: float = 0.0,
@@ -52,7 +44,7 @@ def generate(model, tokenizer, prompt: str, chat: bool = False, max_new_tokens: 
     inputs = {k: v.to(model.device) for k, v in build_inputs(tokenizer, prompt, chat, system).items()}
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else dict(do_sample=False)
     with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, eos_token_id=stop_token_ids(model, tokenizer, chat),
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, eos_token_id=stop_token_ids(model, tokenizer),
                              pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
                              else tokenizer.eos_token_id, **sampling)
     return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)

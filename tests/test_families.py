@@ -45,6 +45,9 @@ def test_family_loads_as_from_pretrained_and_trains_alike_under_every_strategy(m
         assert r["first_logits_diff"] < 1e-5, (strategy, r)  # on a packed batch, against from_pretrained's
         assert r["export_logits_diff"] < 1e-5, (strategy, r)  # the export computes what was trained
         assert r["losses"][-1] < r["losses"][0], (strategy, r)
+    # The export's generation config stops at the family's end of turn too; plain `generate` honours it.
+    assert runs["ddp"]["end_of_turn"] and set(runs["ddp"]["end_of_turn"]) <= set(runs["ddp"]["stop_ids"])
+    assert runs["ddp"]["new_tokens_until_turn_end"] == 1
     assert runs["fsdp"]["losses"] == pytest.approx(runs["ddp"]["losses"], abs=TOL)
     assert runs["fsdp2"]["losses"] == pytest.approx(runs["ddp"]["losses"], abs=TOL)
     block = family.split("_")[0].title()  # llama_tied -> Llama, qwen3 -> Qwen3

@@ -344,8 +344,8 @@ def test_generate_cli_matches_transformers(observed):
     assert res.stdout == generate.generate(model, tok, "Hello there", chat=True, max_new_tokens=8) + "\n"
     # A chat reply ends with its turn: the template's end-of-turn token stops generation, not only EOS.
     eot, eos = tok.convert_tokens_to_ids("<|eot_id|>"), tok.eos_token_id
-    assert eot != eos and {eot, eos} <= set(generate.stop_token_ids(model, tok, chat=True))
-    assert eot not in generate.stop_token_ids(model, tok, chat=False)
+    assert eot != eos and {eot, eos} <= set(generate.stop_token_ids(model, tok))
+    assert {eot, eos} <= set(model.generation_config.eos_token_id)  # the export itself says where a turn ends
     plain = generate.generate(model, tok, "Hello there", max_new_tokens=8)
     ids = tok(plain, add_special_tokens=False)["input_ids"]
     assert 0 < len(ids) <= 8 or plain == ""

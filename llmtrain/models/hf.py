@@ -124,6 +124,27 @@ def load_model_config(section: ModelConfig, tokenizer) -> PretrainedConfig:
     return config
 
 
+def end_of_turn_ids(tokenizer) -> list[int]:
+    """The special token(s) the tokenizer's chat template writes right after an assistant message (Llama 3's
+    <|eot_id|>, ChatML's <|im_end|>, Gemma's <end_of_turn>), [] without a template or when the template ends
+    a turn with plain text: generation must stop there as well as at EOS."""
+    if not tokenizer.chat_template:
+        return []
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "A"}, {"role": "assistant", "content": "B"}],
+                                         tokenize=False)
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    tail = tokenizer(text[text.rindex("B") + 1:], add_special_tokens=False)["input_ids"]
+    return [t for t in tail if t in special][:1]
+
+
+def stop_ids(config_eos, tokenizer) -> list[int]:
+    """Every id generation stops at: the model config's EOS id(s), the tokenizer's and its chat turn's end."""
+    ids = set(config_eos if isinstance(config_eos, list) else [config_eos] if config_eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids | set(end_of_turn_ids(tokenizer)))
+
+
 def build_meta_model(config: PretrainedConfig, section: ModelConfig) -> nn.Module:
     """Parameters on meta (no memory until the parallelized model is materialized); buffers real, as the
     modules compute them (RoPE inv_freq, Gemma's embed_scale): no checkpoint holds non-persistent buffers,

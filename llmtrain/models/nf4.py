@@ -45,7 +45,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from llmtrain.config import ConfigError, LoraConfig
-from llmtrain.models.hf import clean_name, decoder_layers, release_freed_memory
+from llmtrain.models.hf import decoder_layers
+from llmtrain.models.names import clean_name
+from llmtrain.utils import release_freed_memory
 
 log = logging.getLogger(__name__)
 INSTALL = "pip install 'llmtrain[qlora]'"

@@ -89,6 +89,17 @@ def run(family_dir: Path, strategy: str, env, out: Path) -> dict:
         exported = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
         with torch.no_grad():
             result["export_logits_diff"] = max_diff(exported(input_ids=probe).logits, trained)
+        # Plain transformers generate stops at the chat turn's end (generation_config.json lists it): with that
+        # token's logit forced up, one token is generated, not max_new_tokens.
+        eos = exported.generation_config.eos_token_id
+        result["stop_ids"], result["end_of_turn"] = eos if isinstance(eos, list) else [eos], \
+            model_lib.end_of_turn_ids(tokenizer)
+        turn_end = torch.tensor(result["end_of_turn"][:1])
+        hook = exported.get_output_embeddings().register_forward_hook(
+            lambda module, args, logits: logits.index_fill(-1, turn_end, 1e4))
+        result["new_tokens_until_turn_end"] = exported.generate(probe[:1], max_new_tokens=4, do_sample=False).shape[1] \
+            - probe.shape[1]
+        hook.remove()
     return result
 
 
