@@ -22,7 +22,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from llmtrain.checkpoint import HF_CONFIG_DIR, STATE_FILE, is_complete, verify
 from llmtrain.config import ConfigError, load_config
 from llmtrain.export import write_adapter, write_hf
-from llmtrain.models import lora
+from llmtrain.models import lora, nf4
+from llmtrain.models.hf import build_meta_model
 from llmtrain.utils import DTYPES
 
 PREFIX = "model."
@@ -75,6 +76,8 @@ def _convert_lora(ckpt: Path, trained: dict, out: Path, config, tokenizer, dtype
         for f in sorted(Path(cfg.model.path).glob("*.safetensors")):
             with safe_open(f, framework="pt") as handle:
                 base.update({k: handle.get_tensor(k) for k in handle.keys()})
+        if cfg.lora.quantize_base == "nf4":  # merged onto the dequantized NF4 base the adapters trained on
+            base = nf4.round_trip(base, lora.apply(build_meta_model(config, cfg.model), cfg.lora), cfg.lora)
         write_hf(lora.merge(base, trained, cfg.lora), out / "hf", config, tokenizer, DTYPES[dtype], max_shard_size)
         written.append(out / "hf")
     return written

@@ -17,7 +17,7 @@ from torch import nn
 from transformers import GenerationConfig
 
 from llmtrain.config import LoraConfig
-from llmtrain.models import lora
+from llmtrain.models import lora, nf4
 from llmtrain.models.hf import WEIGHTS_FILE, WEIGHTS_INDEX, stop_ids
 from llmtrain.models.names import peft_key
 from llmtrain.parallelize import Strategy
@@ -100,7 +100,8 @@ def export_lora(model: nn.Module, strategy: Strategy, device: torch.device, outp
     if section.export in ("merged", "both"):
         state = strategy.full_state_dict(model, device)
         out = output_dir / "hf" / step_dir
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0:  # a QLoRA base merges as the dequantized weights it trained on
+            state = {k: nf4.dequantized(v) for k, v in state.items()}
             write_hf(lora.merged_state(state, section), out, model_config, tokenizer, dtype, max_shard_size)
         written.append(out)
     dist.barrier()

@@ -20,7 +20,8 @@ from transformers import LlamaConfig
 from llmtrain import parallelize
 from llmtrain.config import ConfigError, LoraConfig, ModelConfig, ParallelConfig
 from llmtrain.models import lora, nf4
-from llmtrain.models.hf import build_meta_model, check_initialized, clean_name, load_weights
+from llmtrain.models.hf import build_meta_model, check_initialized
+from llmtrain.models.names import clean_name
 
 # hidden 256, MLP 704: q/o 256 x 256 (1024 blocks of 64, 4 scaler groups of 256), k/v 128 x 256 (2 groups),
 # gate/up 704 x 256 and down 256 x 704 (2816 blocks: 11 groups, which 2 fsdp2 ranks cannot split: the fallback).
@@ -54,7 +55,7 @@ def build(strategy: str, section: LoraConfig, dtype: torch.dtype = torch.float32
     model = parallelize.parallelize(model, ParallelConfig(strategy=strategy, mixed_precision="fp32"
                                                           if dtype == torch.float32 else "bf16"),
                                     plan, mesh, torch.device("cpu"))
-    load_weights(model, plan.strategy, ModelConfig(config=shape), config, SEED, adapters)
+    plan.strategy.load(model, None, config, SEED, adapters)
     check_initialized(model)
     return model, nf4.quantize_(model, section)
 

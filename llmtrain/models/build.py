@@ -1,6 +1,6 @@
 """The one way a model is built, for the policy, a frozen copy next to it (a reference) or a teacher from
 another path: on meta -> converters (LoRA) -> plan -> parallelize -> each rank loads its own slices -> a check
-that every parameter was loaded. Recipes, bench/ and tests/ all call build_model."""
+that every parameter was loaded -> NF4 for a QLoRA base. Recipes, bench/ and tests/ all call build_model."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from transformers import PretrainedConfig
 
 from llmtrain import distributed, optim, parallelize
 from llmtrain.config import LoraConfig, ModelConfig, ParallelConfig
-from llmtrain.models import hf, lora
+from llmtrain.models import hf, lora, nf4
 
 
 @dataclass
@@ -28,6 +28,7 @@ class BuiltModel:
     n_trained: int     # parameters with gradients (fewer than n_params with LoRA; 0 for a frozen copy)
     no_decay: set[str]  # parameter names without weight decay, read before wrapping
     params_line: str   # e.g. `trainable 6.8M of 1.24B (0.55%)`
+    quantized: nf4.Report | None = None  # lora.quantize_base=nf4: what was quantized, for the log
 
 
 def build_model(section: ModelConfig, config: PretrainedConfig, parallel: ParallelConfig, env: distributed.DistEnv,
@@ -55,9 +56,11 @@ def build_model(section: ModelConfig, config: PretrainedConfig, parallel: Parall
     model = parallelize.parallelize(model, parallel, plan, mesh, env.device)
     if load or adapters is not None:  # LoRA: a checkpoint holds only the adapters; the base comes from here
         plan.strategy.load(model, Path(section.path) if section.path is not None else None, config, seed, adapters)
-    if load:
-        hf.check_initialized(model)
+        hf.check_initialized(model)  # before nf4, whose 4-bit weights it cannot read
+    quantized = None
+    if lora_section is not None and lora_section.quantize_base == "nf4":
+        quantized = nf4.quantize_(model, lora_section)
     if frozen_next_to is not None:
         model.eval()
-    return BuiltModel(model, plan, mesh, config, n_params, n_trained, no_decay, params_line)
+    return BuiltModel(model, plan, mesh, config, n_params, n_trained, no_decay, params_line, quantized)
 

@@ -307,12 +307,17 @@ def materialize(module: nn.Module, device: torch.device, recurse: bool = True) -
             m._buffers[name].copy_(b)
 
 
+def _plain(t: torch.Tensor) -> bool:
+    """Not a tensor subclass such as an NF4 base weight (checked before it was quantized: models.build)."""
+    return type(t.to_local() if isinstance(t, DTensor) else t) in (torch.Tensor, nn.Parameter)
+
+
 def check_initialized(model: nn.Module) -> None:
     """Collective. Raise on every rank if any rank holds a NaN parameter or buffer (never loaded since
     materialize's NaN fill, or NaN in model.path / the checkpoint), naming them: training on garbage
     would otherwise go unnoticed (Gemma's embed_scale did)."""
     bad = [clean_name(name) for name, t in [*model.named_parameters(), *model.named_buffers()]
-           if t.is_floating_point() and torch.isnan(t.to_local() if isinstance(t, DTensor) else t).any()]
+           if _plain(t) and t.is_floating_point() and torch.isnan(t.to_local() if isinstance(t, DTensor) else t).any()]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, bad[:5])
     named = sorted({name for names in everyone for name in names})

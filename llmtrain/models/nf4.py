@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor
 
 from llmtrain.config import ConfigError, LoraConfig
 from llmtrain.models.hf import decoder_layers
-from llmtrain.models.names import clean_name
+from llmtrain.models.names import base_name, clean_name
 from llmtrain.utils import release_freed_memory
 
 log = logging.getLogger(__name__)
@@ -291,3 +291,15 @@ def dequantized(w: torch.Tensor) -> torch.Tensor:
     if is_nf4(w):
         return w.get_original_weight()
     return w
+
+
+def round_trip(weights: dict[str, torch.Tensor], model: nn.Module, section: LoraConfig) -> dict[str, torch.Tensor]:
+    """model.path's weights ({base name: tensor}, as loaded) as a QLoRA run of `model` (the LoRA meta model)
+    computes with them: each planned weight cast to lora.base_dtype, quantized and dequantized (convert's merge
+    onto the base gives what the run's own merged export gives)."""
+    dtype = torch.bfloat16 if section.base_dtype == "bf16" else torch.float32
+    out = dict(weights)
+    for name, scaler in plan(model, section).quantized.items():
+        key = base_name(name)
+        out[key] = _quantize_local(out[key].to(dtype), section.nf4_block_size, scaler, None).get_original_weight()
+    return out

@@ -119,6 +119,8 @@ def build(cfg: Config, env: distributed.DistEnv, recipe: str, registered: list[R
     if cfg.lora.enabled:
         metrics.info(f"lora: {policy.params_line} | r={cfg.lora.r} alpha={cfg.lora.alpha:g} | "
                      f"base {cfg.lora.base_dtype}")
+    if policy.quantized is not None:
+        metrics.info(policy.quantized.describe())
     token_loss = loss_lib.TokenLoss(cfg.train.loss_impl, model, env.device, cfg.train.loss_chunk_tokens)  # collective
     metrics.info(token_loss.describe())
     if state.step > 0:
@@ -189,4 +191,7 @@ def base_identity(run: Run) -> dict:
     LoRA's recorded base fingerprint, or the same hash of model.path, and the dtype the base computes in."""
     cfg = run.cfg
     base = run.state.base or lora.fingerprint(cfg.model.path, cfg.model.config, cfg.train.seed)
-    return {"weights": base["fingerprint"], "weights_dtype": cfg.lora.base_dtype if cfg.lora.enabled else "fp32"}
+    dtype = cfg.lora.base_dtype if cfg.lora.enabled else "fp32"
+    if cfg.lora.enabled and cfg.lora.quantize_base == "nf4":
+        dtype += f"+nf4/{cfg.lora.nf4_block_size}/{cfg.lora.nf4_scaler_block_size}"
+    return {"weights": base["fingerprint"], "weights_dtype": dtype}

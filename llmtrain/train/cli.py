@@ -14,7 +14,7 @@ from llmtrain import metrics as metrics_lib
 from llmtrain.config import Config, ConfigError, describe, load_config, to_yaml
 from llmtrain.losses import token as loss_lib
 from llmtrain.models import hf as model_lib
-from llmtrain.models import lora
+from llmtrain.models import lora, nf4
 from llmtrain.train.loop import Preempted
 
 
@@ -47,6 +47,7 @@ def setup(args: argparse.Namespace, config_cls: type[Config] = Config,
     checkpoint.check_writable(cfg.output_dir)
     checkpoint.check_resume(cfg.checkpoint)  # which checkpoint, verified, is build()'s choice (collective)
     lora.check(cfg.lora)
+    nf4.check(cfg.lora, cfg.parallel.strategy)
     metrics_lib.check(cfg.log)
     loss_lib.check(cfg.train.loss_impl, device.type)
     return cfg
