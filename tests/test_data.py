@@ -221,6 +221,9 @@ def test_summary_counts_in_words_and_names_the_first_truncated_pair(tmp_path, to
     assert stats.summary() == "8 examples (and 2 held out for validation)"
     text.write_text(json.dumps({"text": "one document"}) + "\n")
     assert build(DataConfig(path=str(text), seq_len=16), tok, seed=0).stats.summary() == "1 example"
+    text.write_text("\n".join(json.dumps({"text": t}) for t in ("short", "a long document " * 20)) + "\n")
+    stats = build(DataConfig(path=str(text), seq_len=16, packing=False), tok, seed=0).stats
+    assert stats.summary() == f"2 examples, 1 truncated to data.seq_len; the first at {text}, line 2"
 
 
 def test_streaming_resume_at_same_world_size_is_exact(tok, single_process_group):
