@@ -196,7 +196,7 @@ class TrainConfig:
     """AdamW betas."""
     max_grad_norm: float = ranged("[0, inf)", default=1.0)
     """Clip the global gradient norm to this; 0 disables clipping."""
-    seed: int = ranged("[0, 4294967295]", default=42)
+    seed: int = ranged("[0, 4294967295]", default=42)  # numpy (datasets' shuffles) takes seeds below 2**32
     """Model init and data order; dropout uses seed + rank."""
     on_nan: Literal["stop", "skip"] = "stop"
     """Non-finite loss or gradient: stop (naming the step, saving nothing) or skip the update."""

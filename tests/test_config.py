@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import typing
 
 import pytest
 
-from conftest import RECIPE, TINY, launch
+from conftest import RECIPE, REPO, TINY, launch
 from llmtrain.config import ConfigError, Range, describe, load_config, to_yaml
 from llmtrain.losses.preference import DPOConfig
+from llmtrain.train.recipe import Recipe
 
 
 def test_yaml_and_overrides_are_typed():
@@ -119,7 +121,19 @@ def _numeric_keys(cls: type, prefix: str = ""):
             yield key, f, tp
 
 
-NUMERIC = list(_numeric_keys(DPOConfig))  # the shared sections plus a recipe's (dpo.*)
+def _recipe_configs() -> list[type]:
+    """Every recipe's config class (recipes/*.py): the shared sections plus each recipe's own (dpo.*, ...)."""
+    found = []
+    for path in sorted((REPO / "recipes").glob("[!_]*.py")):
+        spec = importlib.util.spec_from_file_location(f"recipe_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        found += [v.config_cls for v in vars(module).values() if isinstance(v, type) and issubclass(v, Recipe)]
+    return list(dict.fromkeys(found))
+
+
+# (key, field, annotation, the config class to load it with), each key once
+NUMERIC = list({key: (key, f, tp, cls) for cls in _recipe_configs() for key, f, tp in _numeric_keys(cls)}.values())
 
 
 def _override(key: str, value) -> list[str]:
@@ -144,10 +158,10 @@ def _edges(valid: Range, is_int: bool) -> tuple[list, list]:
 
 
 def test_every_numeric_key_declares_a_range():
-    keys = {key for key, _, _ in NUMERIC}
+    keys = {key for key, *_ in NUMERIC}
     assert {"lora.alpha", "lora.r", "train.lr", "train.betas", "data.sources[0].weight", "log.peak_tflops",
             "dpo.beta", "dpo.label_smoothing"} <= keys
-    assert [key for key, f, _ in NUMERIC if "range" not in f.metadata] == []
+    assert [key for key, f, *_ in NUMERIC if "range" not in f.metadata] == []
     rows = {r[0]: r[1] for r in describe(DPOConfig)}  # --help-config shows each range
     assert rows["lora.alpha"] == "float, > 0" and rows["train.betas"] == "list[float], each in [0, 1)"
     assert rows["data.val_fraction"] == "float, in [0, 1)" and rows["data.sources[].weight"] == "float, > 0"
@@ -160,8 +174,8 @@ def _value(cfg, key: str):
     return cfg[0] if isinstance(cfg, list) else cfg
 
 
-@pytest.mark.parametrize("key,f,tp", NUMERIC, ids=[k for k, _, _ in NUMERIC])
-def test_each_range_refuses_just_outside_and_takes_just_inside(key, f, tp):
+@pytest.mark.parametrize("key,f,tp,cls", NUMERIC, ids=[k for k, *_ in NUMERIC])
+def test_each_range_refuses_just_outside_and_takes_just_inside(key, f, tp, cls):
     valid: Range = f.metadata["range"]
     default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
     assert all(v is None or v in valid for v in (default if isinstance(default, list) else [default]))
@@ -170,10 +184,10 @@ def test_each_range_refuses_just_outside_and_takes_just_inside(key, f, tp):
     named = f"{key}[0]" if key == "train.betas" else key
     for value in outside if tp is int else [*outside, math.nan]:
         with pytest.raises(ConfigError) as e:
-            load_config(TINY, _override(key, value), DPOConfig)
+            load_config(TINY, _override(key, value), cls)
         assert str(e.value) == f"{named} must be {valid}, got {value if tp is int else float(value)!r}"
     for value in inside:
-        assert _value(load_config(TINY, _override(key, value), DPOConfig), key) == value
+        assert _value(load_config(TINY, _override(key, value), cls), key) == value
 
 
 def test_negative_lora_alpha_exits_2_with_one_line():
