@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib.util
 import json
 import math
 import os
@@ -714,11 +715,16 @@ def main(argv: list[str] | None = None) -> int:
                              "load_average_1min": [round(x, 2) for x in load]}})
     json_path.write_text(json.dumps(doc, indent=1))
     png = json_path.with_suffix(".png")
-    plot(doc["benchmarks"], png, f"llmtrain bench {stem}: {doc['machine'].get('cpus')} CPU cores "
-                                 f"({doc['machine'].get('cpu', '?')}), ratios measured side by side")
+    if importlib.util.find_spec("matplotlib") is None:  # the picture is extra; the results are the JSON and tables
+        print("\nno picture: drawing it needs matplotlib, the llmtrain[plot] extra (pip install -e '.[plot]')")
+        png = None
+    else:
+        plot(doc["benchmarks"], png, f"llmtrain bench {stem}: {doc['machine'].get('cpus')} CPU cores "
+                                     f"({doc['machine'].get('cpu', '?')}), ratios measured side by side")
     print(f"\n## Summary ({time.time() - started:.0f} s; 1-min load average {' -> '.join(f'{x:.1f}' for x in load)})\n")
     print(summary(results))
-    print(f"\nwrote {json_path.relative_to(REPO) if json_path.is_relative_to(REPO) else json_path} and {png.name}")
+    print(f"\nwrote {json_path.relative_to(REPO) if json_path.is_relative_to(REPO) else json_path}"
+          + (f" and {png.name}" if png else ""))
     return 1 if any("error" in r for r in results.values()) else 0
 
 

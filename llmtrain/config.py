@@ -1,24 +1,58 @@
 """Typed configuration: YAML file + dotted `key.sub=value` overrides -> dataclasses.
 
-Every section is a dataclass; unknown keys, wrong types and bad choices raise ConfigError naming
-the key (with the closest valid one), before any process group or model exists.
+Every section is a dataclass; unknown keys, wrong types, bad choices and numbers outside their declared
+range (ranged(): every numeric key has one) raise ConfigError naming the key (with the closest valid one),
+before any process group or model exists.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import yaml
 
 
 class ConfigError(ValueError):
     """A user error in the configuration; the message names the key."""
+
+
+class Range(NamedTuple):
+    """An interval of valid values, written "[1, inf)", "(0, inf)", "[0, 1)": a bracket includes its bound."""
+    lo: float
+    hi: float
+    lo_closed: bool
+    hi_closed: bool
+
+    @classmethod
+    def parse(cls, text: str) -> Range:
+        m = re.fullmatch(r"([\[(])\s*(\S+?)\s*,\s*(\S+?)\s*([\])])", text)
+        if not m:
+            raise ValueError(f"range {text!r}: write it like [0, 1) or (0, inf)")
+        lo, hi = (int(b) if re.fullmatch(r"-?\d+", b) else float(b) for b in m.group(2, 3))
+        return cls(lo, hi, m.group(1) == "[", m.group(4) == "]")
+
+    def __contains__(self, value: float) -> bool:  # written so that nan is outside every range
+        return ((self.lo <= value) if self.lo_closed else (self.lo < value)) and \
+            ((value <= self.hi) if self.hi_closed else (value < self.hi))
+
+    def __str__(self) -> str:
+        if self.hi == math.inf:
+            return f"{'>=' if self.lo_closed else '>'} {self.lo}"
+        return f"in {'[' if self.lo_closed else '('}{self.lo}, {self.hi}{']' if self.hi_closed else ')'}"
+
+
+def ranged(interval: str, **field_kwargs: Any) -> Any:
+    """A dataclass field whose value (each item, for a list; None passes) must lie in `interval` (Range.parse);
+    load_config refuses any other, naming the key, the value and the range; --help-config shows it."""
+    return field(metadata={"range": Range.parse(interval)}, **field_kwargs)
 
 
 @dataclass
@@ -50,7 +84,7 @@ class SourceConfig:
     """A file, glob or directory."""
     format: FormatName = "text"
     """How this source's records become tokens and labels."""
-    weight: float = 1.0
+    weight: float = ranged("(0, inf)", default=1.0)
     """Relative sampling frequency among data.sources."""
 
 
@@ -63,7 +97,7 @@ class DataConfig:
     preference: {prompt, chosen, rejected} pairs, text or messages (recipes/dpo.py)."""
     sources: list[SourceConfig] | None = None
     """Several sources mixed by weight: [{path, format, weight}, ...] (instead of data.path/format)."""
-    seq_len: int = 256
+    seq_len: int = ranged("[1, inf)", default=256)
     """Tokens per training row; longer examples are truncated (text: split)."""
     packing: bool = True
     """Pack several examples per row (each attends only to itself); else one per row, padded."""
@@ -87,20 +121,20 @@ class DataConfig:
     """Fail on the first bad record (naming file and line) instead of skipping and counting."""
     val_path: str | None = None
     """Validation data (same format); else data.val_fraction of the training records is held out."""
-    val_fraction: float = 0.0
+    val_fraction: float = ranged("[0, 1)", default=0.0)
     """Fraction of training records held out for validation when data.val_path is not set."""
     streaming: bool = False
     """Read, tokenize and pack on the fly (IterableDataset + split_dataset_by_node); flat memory."""
-    shuffle_buffer: int = 10000
+    shuffle_buffer: int = ranged("[1, inf)", default=10000)
     """data.streaming: examples in the shuffle buffer."""
 
 
 @dataclass
 class EvalConfig:
-    every_steps: int = 0
+    every_steps: int = ranged("[0, inf)", default=0)
     """Evaluate val_loss / val_ppl (recipes/dpo.py: val_loss, val_rewards/*, val_logps/*) on all ranks every N
     steps (and at the end); 0 disables."""
-    max_batches: int = 0
+    max_batches: int = ranged("[0, inf)", default=0)
     """Micro-batches per rank per evaluation; 0 evaluates the whole validation set."""
 
 
@@ -112,7 +146,7 @@ class ParallelConfig:
     """FSDP1 sharding strategy (strategy=fsdp)."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered parameters after forward (saves memory, costs a second all-gather)."""
-    replicate: int = 1
+    replicate: int = ranged("[1, inf)", default=1)
     """HSDP: number of replica groups (FSDP2 2-D mesh; FSDP1 HYBRID_SHARD)."""
     mixed_precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Compute dtype; parameters, optimizer state and gradient reduction stay fp32."""
@@ -130,56 +164,56 @@ class DistributedConfig:
     """auto: cuda when available, else cpu."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """auto: nccl on cuda, gloo on cpu."""
-    timeout_s: int = 600
+    timeout_s: int = ranged("[1, inf)", default=600)
     """Process-group timeout: a stuck collective fails after this long instead of hanging."""
     preflight: bool = True
     """Before training, check every rank joined, collectives work, output_dir is shared, versions match."""
-    preflight_timeout_s: int = 180
+    preflight_timeout_s: int = ranged("[1, inf)", default=180)
     """Preflight (including waiting for all ranks to join) fails after this long, naming what is missing."""
 
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 100
+    max_steps: int = ranged("[1, inf)", default=100)
     """Optimizer steps to run."""
-    micro_batch_size: int = 4
+    micro_batch_size: int = ranged("[1, inf)", default=4)
     """Rows per forward pass, per rank."""
-    grad_accum_steps: int = 1
+    grad_accum_steps: int = ranged("[1, inf)", default=1)
     """Micro-batches per optimizer step."""
-    lr: float = 3e-4
+    lr: float = ranged("(0, inf)", default=3e-4)
     """Peak learning rate (before train.scale_lr)."""
     scale_lr: bool = False
     """Linear scaling rule: multiply lr by the data-parallel size."""
-    warmup_steps: int = 0
+    warmup_steps: int = ranged("[0, inf)", default=0)
     """Linear warm-up steps."""
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """Decay after warm-up."""
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: float = ranged("[0, 1]", default=0.0)
     """Final lr as a fraction of the peak (cosine/linear)."""
-    weight_decay: float = 0.0
+    weight_decay: float = ranged("[0, inf)", default=0.0)
     """AdamW weight decay (not applied to norms and biases)."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    betas: list[float] = ranged("[0, 1)", default_factory=lambda: [0.9, 0.95])
     """AdamW betas."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = ranged("[0, inf)", default=1.0)
     """Clip the global gradient norm to this; 0 disables clipping."""
-    seed: int = 42
+    seed: int = ranged("[0, 4294967295]", default=42)  # numpy (datasets' shuffles) takes seeds below 2**32
     """Model init and data order; dropout uses seed + rank."""
     on_nan: Literal["stop", "skip"] = "stop"
     """Non-finite loss or gradient: stop (naming the step, saving nothing) or skip the update."""
     loss_impl: Literal["chunked", "full", "liger"] = "chunked"
     """chunked: loss from the final hidden states through the output layer a chunk of trained tokens at a time
     (no [tokens x vocab] logits; same losses and gradients) | full: whole logits | liger: Liger Kernel (CUDA)."""
-    loss_chunk_tokens: int = 0
+    loss_chunk_tokens: int = ranged("[0, inf)", default=0)
     """train.loss_impl=chunked: trained tokens per chunk; 0: as many as make 256 MiB of fp32 logits (at least 64)."""
 
 
 @dataclass
 class CheckpointConfig:
-    every_steps: int = 0
+    every_steps: int = ranged("[0, inf)", default=0)
     """Save a sharded (DCP) checkpoint every N steps; 0 disables."""
-    every_minutes: float = 0.0
+    every_minutes: float = ranged("[0, inf)", default=0.0)
     """Also save when this many minutes passed since the last save; 0 disables."""
-    keep_last: int = 2
+    keep_last: int = ranged("[0, inf)", default=2)
     """Keep the newest N complete checkpoints (older ones go after a newer one is complete); 0 keeps all."""
     async_: bool = False
     """(YAML key `async`) save in the background with DCP async_save while training continues."""
@@ -188,7 +222,7 @@ class CheckpointConfig:
     allow_changes: list[str] = field(default_factory=list)
     """Keys a resume may change although they make it another run (e.g. [train.grad_accum_steps, data.path]);
     a resume that changes any other such key is refused, naming it (llmtrain/resume.py)."""
-    export_every_steps: int = 0
+    export_every_steps: int = ranged("[0, inf)", default=0)
     """Also write a Hugging Face export to output_dir/hf/step_<N> every N steps; 0 disables."""
     export_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """dtype of exported weights."""
@@ -212,7 +246,7 @@ class WandbConfig:
 
 @dataclass
 class LogConfig:
-    every_steps: int = 10
+    every_steps: int = ranged("[1, inf)", default=10)
     """Log metrics every N steps (and at the last step)."""
     progress: bool = True
     """tqdm progress bar on rank 0 when attached to a terminal (plain lines with an ETA otherwise)."""
@@ -220,7 +254,7 @@ class LogConfig:
     """Also write TensorBoard event files to output_dir/tensorboard (rank 0)."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Weights & Biases logging (log.wandb.project turns it on)."""
-    peak_tflops: float | None = None
+    peak_tflops: float | None = ranged("(0, inf)", default=None)
     """Peak dense TFLOP/s of one device in the compute dtype, for mfu; default: looked up by GPU name."""
 
 
@@ -228,11 +262,11 @@ class LogConfig:
 class LoraConfig:
     enabled: bool = False
     """Train LoRA adapters (PEFT) on a frozen base instead of every weight; llmtrain/models/lora.py."""
-    r: int = 16
+    r: int = ranged("[1, inf)", default=16)
     """Rank of each adapter (lora_A: r x in, lora_B: out x r)."""
-    alpha: float = 32.0
+    alpha: float = ranged("(0, inf)", default=32.0)
     """Scaling numerator: an adapter adds (alpha / r) * B @ A to its layer's weight."""
-    dropout: float = 0.05
+    dropout: float = ranged("[0, 1)", default=0.05)
     """Dropout on an adapter's input (seeded per rank, like all dropout)."""
     target_modules: str | list[str] = "all-linear"
     """all-linear (every linear layer but the output head) or a list of module names (q_proj, ... or full paths)."""
@@ -334,7 +368,8 @@ def _key(field_name: str) -> str:
 
 def _build(cls: type, raw: dict, prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
-    names = {_key(f.name): f.name for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    names = {_key(name): name for name in fields}
     kwargs = {}
     for key, value in raw.items():
         dotted = f"{prefix}{key}"
@@ -348,6 +383,12 @@ def _build(cls: type, raw: dict, prefix: str) -> Any:
             kwargs[key] = _build(tp, value, f"{dotted}.")
         else:
             kwargs[key] = _coerce(value, tp, dotted)
+            if valid := fields[key].metadata.get("range"):
+                items = kwargs[key] if isinstance(kwargs[key], list) else [kwargs[key]]
+                for i, item in enumerate(items):
+                    if item is not None and item not in valid:
+                        where = f"{dotted}[{i}]" if isinstance(kwargs[key], list) else dotted
+                        raise ConfigError(f"{where} must be {valid}, got {item!r}")
     return cls(**kwargs)
 
 
@@ -400,31 +441,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError("model.config builds a new model, so tokenizer.path must name a tokenizer directory")
     if bool(cfg.data.path) == bool(cfg.data.sources):
         raise ConfigError("set data.path (a file, glob or directory) or data.sources (a list), not both")
-    if not 0 <= cfg.data.val_fraction < 1:
-        raise ConfigError("data.val_fraction must be in [0, 1)")
     if cfg.eval.every_steps and not (cfg.data.val_path or cfg.data.val_fraction):
         raise ConfigError("eval.every_steps needs validation data: set data.val_path or data.val_fraction")
-    for key in ("train.max_steps", "train.micro_batch_size", "train.grad_accum_steps", "data.seq_len",
-                "log.every_steps", "parallel.replicate", "distributed.timeout_s",
-                "distributed.preflight_timeout_s"):
-        section, name = key.split(".")
-        if getattr(getattr(cfg, section), name) < 1:
-            raise ConfigError(f"{key} must be >= 1")
-    for key in ("checkpoint.every_steps", "checkpoint.every_minutes", "checkpoint.keep_last",
-                "checkpoint.export_every_steps"):
-        if getattr(cfg.checkpoint, key.split(".")[1]) < 0:
-            raise ConfigError(f"{key} must be >= 0 (0 disables)")
-    if cfg.train.lr <= 0:
-        raise ConfigError("train.lr must be > 0")
     if len(cfg.train.betas) != 2:
         raise ConfigError("train.betas must have two values")
-    if cfg.train.loss_chunk_tokens < 0:
-        raise ConfigError("train.loss_chunk_tokens must be >= 0 (0: sized from the vocabulary)")
     if cfg.lora.enabled:
-        if cfg.lora.r < 1:
-            raise ConfigError("lora.r must be >= 1")
-        if not 0 <= cfg.lora.dropout < 1:
-            raise ConfigError("lora.dropout must be in [0, 1)")
         if isinstance(cfg.lora.target_modules, str) and cfg.lora.target_modules != "all-linear":
             raise ConfigError(f"lora.target_modules: {cfg.lora.target_modules!r}: use all-linear or a list of "
                               "module names, e.g. [q_proj, v_proj]")
@@ -449,7 +470,7 @@ def to_yaml(cfg: Config) -> str:
 
 
 def describe(cls: type[Config] = Config) -> list[tuple[str, str, str, str]]:
-    """(key, type, default, description) for every key, from the dataclasses and their docstrings."""
+    """(key, type and range, default, description) for every key, from the dataclasses and their docstrings."""
     import ast
     import inspect
 
@@ -475,7 +496,12 @@ def describe(cls: type[Config] = Config) -> list[tuple[str, str, str, str]]:
                 continue
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             tname = str(tp).replace("typing.", "") if typing.get_origin(tp) else tp.__name__
+            if valid := f.metadata.get("range"):
+                tname += f", {'each ' if typing.get_origin(tp) is list else ''}{valid}"
             rows.append((prefix + _key(f.name), tname, repr(default), text.get(f.name, "")))
+            for arg in (tp, *typing.get_args(tp)):  # a list of sections (data.sources): its items' keys too
+                if typing.get_origin(arg) is list and dataclasses.is_dataclass(typing.get_args(arg)[0]):
+                    walk(typing.get_args(arg)[0], f"{prefix}{_key(f.name)}[].")
 
     walk(cls, "")
     return rows

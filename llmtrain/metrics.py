@@ -163,8 +163,6 @@ def device_peak_tflops(device: torch.device, dtype: str, override: float | None)
 
 def check(section: LogConfig) -> None:
     """Logger settings that can fail before any process group exists."""
-    if section.peak_tflops is not None and section.peak_tflops <= 0:
-        raise ConfigError("log.peak_tflops must be > 0 (or unset to look it up by GPU name)")
     for on, package, extra in ((section.tensorboard, "tensorboard", "log.tensorboard=true"),
                                (section.wandb.project, "wandb", "log.wandb.project")):
         if on and importlib.util.find_spec(package) is None:

@@ -1,7 +1,11 @@
-"""Training curves from output_dir/metrics.jsonl, in one PNG: loss and val_loss, learning rate,
-throughput (tokens/s, MFU or TFLOP/s) and gradient norm.
+"""Training curves from a run's metrics.jsonl, in one PNG.
 
     python -m llmtrain.plot OUTPUT_DIR [--out curves.png]      # default: OUTPUT_DIR/curves.png
+
+Always: loss and val_loss, learning rate, throughput (tokens/s, MFU or TFLOP/s) and gradient norm. Then a
+panel for each group of keys (PANELS) that the file holds, whichever recipe wrote it: DPO's rewards/*
+and logps/*, GRPO's reward, reward_std and kl, harness/<task>/<metric> scores, val_ppl. A key's validation
+curve (val_<key>) is dashed on its panel; other val_* keys share a Validation panel.
 
 Training records (loss, ...) and evaluation records (val_loss, ...) may come in any mix; a resumed
 run logs the steps after its checkpoint again, and the last record of a step wins."""
@@ -9,11 +13,27 @@ run logs the steps after its checkpoint again, and the last record of a step win
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 METRICS_FILE = "metrics.jsonl"  # llmtrain.metrics.METRICS_FILE (not imported: no torch needed here)
+
+# Panels after the four fixed ones, by key: (title, names). A name ending in "/" takes every key under it;
+# a key goes to the first panel that names it, and val_<key> goes with <key>.
+PANELS = (
+    ("Preference accuracy", ("rewards/accuracies",)),
+    ("Rewards", ("rewards/",)),
+    ("Log-probs", ("logps/",)),
+    ("Reward", ("reward", "reward_std")),
+    ("KL", ("kl",)),
+    ("Harness scores", ("harness/",)),
+    ("Perplexity", ("ppl",)),
+)
+VALIDATION = "Validation"  # the panel of val_* keys that PANELS does not name (val_loss is on the loss panel)
 
 
 def read_records(path: Path) -> list[dict]:
@@ -29,12 +49,16 @@ def read_records(path: Path) -> list[dict]:
     return records
 
 
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def series(records: list[dict], key: str) -> tuple[list[float], list[float]]:
     """(steps, values) of `key`, sorted by step, the last value of each step, nulls left out."""
     by_step = {}
     for r in records:
         value = r.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if _number(value):
             by_step[r["step"]] = float(value)
     steps = sorted(by_step)
     return steps, [by_step[s] for s in steps]
@@ -44,14 +68,36 @@ def _last(values: list[float]) -> str:
     return f"{values[-1]:.4g}" if values else "-"
 
 
+class Panel(NamedTuple):
+    title: str
+    keys: list[str]  # in the file's order, training keys before validation (val_) ones
+
+
+def panels(records: list[dict]) -> list[Panel]:
+    """The PANELS (and VALIDATION) panels that the records have numbers for, in PANELS' order."""
+    found: dict[str, list[str]] = {}
+    for key in dict.fromkeys(k for r in records for k, v in r.items() if _number(v)):
+        base = key.removeprefix("val_")
+        title = next((title for title, names in PANELS
+                      if any(base == n or (n.endswith("/") and base.startswith(n)) for n in names)), None)
+        if title is None and base != key and base != "loss":
+            title = VALIDATION
+        if title is not None:
+            found.setdefault(title, []).append(key)
+    order = [title for title, _ in PANELS] + [VALIDATION]
+    return [Panel(t, sorted(found[t], key=lambda k: k.startswith("val_"))) for t in order if t in found]
+
+
 def plot(records: list[dict], out: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(13, 8), constrained_layout=True)
-    (ax_loss, ax_lr), (ax_tput, ax_grad) = axes
+    extra = panels(records)
+    rows = math.ceil((4 + len(extra)) / 2)
+    fig, axes = plt.subplots(rows, 2, figsize=(13, 4 * rows), constrained_layout=True, squeeze=False)
+    ax_loss, ax_lr, ax_tput, ax_grad, *ax_extra = axes.flat
     fig.suptitle(title, fontsize=13)
 
     def empty(ax, what: str) -> None:
@@ -109,6 +155,19 @@ def plot(records: list[dict], out: Path, title: str) -> None:
         empty(ax_grad, "grad_norm")
     ax_grad.set_title("Gradient norm (before clipping)")
 
+    for ax, panel in zip(ax_extra, extra):
+        colors: dict[str, str] = {}  # val_<key> in <key>'s colour
+        for key in panel.keys:
+            steps, values = series(records, key)
+            val = key.startswith("val_")
+            ax.plot(steps, values, lw=1.4, ls="--" if val else "-", marker="o" if val else None, ms=3,
+                    color=colors.setdefault(key.removeprefix("val_"), f"C{len(colors)}"),
+                    label=f"{key} (last {_last(values)})")
+        ax.legend(loc="best", fontsize=8, framealpha=0.85)
+        ax.set_title(panel.title)
+    if len(ax_extra) > len(extra):  # an odd number of panels
+        ax_extra[-1].set_visible(False)
+
     for ax in axes.flat:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -118,7 +177,8 @@ def plot(records: list[dict], out: Path, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m llmtrain.plot", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m llmtrain.plot", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("output_dir", type=Path, help="a run's output_dir (holding metrics.jsonl), or the file itself")
     p.add_argument("--out", type=Path, help="PNG to write (default: OUTPUT_DIR/curves.png)")
     args = p.parse_args(argv)
@@ -129,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     records = read_records(path)
     if not records:
         print(f"error: {path} holds no records yet", file=sys.stderr)
+        return 2
+    if importlib.util.find_spec("matplotlib") is None:
+        print("error: python -m llmtrain.plot draws with matplotlib, the llmtrain[plot] extra: "
+              "pip install -e '.[plot]'", file=sys.stderr)
         return 2
     out = args.out or path.parent / "curves.png"
     last = max(r["step"] for r in records)

@@ -63,7 +63,7 @@ class DPO(Recipe):
                               "SFT demo's export: run torchrun --standalone --nproc_per_node=2 recipes/finetune.py "
                               "--config configs/demo.yaml first)") from None
         d = cfg.dpo
-        pl.check(d.loss, d.beta, d.label_smoothing, d.gamma, d.sft_weight, d.precompute_reference)
+        pl.check(d.loss, d.label_smoothing, d.gamma, d.precompute_reference)
         if d.precompute_reference and cfg.eval.every_steps:
             raise ConfigError("dpo.precompute_reference covers the training pairs only, and eval.every_steps "
                               "scores the validation pairs with the reference; set eval.every_steps=0 or "

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
+import math
+import typing
+
 import pytest
 
-from conftest import RECIPE, TINY, launch
-from llmtrain.config import ConfigError, describe, load_config, to_yaml
+from conftest import RECIPE, REPO, TINY, launch
+from llmtrain.config import ConfigError, Range, describe, load_config, to_yaml
+from llmtrain.losses.preference import DPOConfig
+from llmtrain.train.recipe import Recipe
 
 
 def test_yaml_and_overrides_are_typed():
@@ -28,9 +35,11 @@ def test_yaml_and_overrides_are_typed():
     (["log.progress=maybe"], ["log.progress", "expected bool"]),
     (["parallel.strategy=fsdp3"], ["parallel.strategy", "fsdp3", "ddp, fsdp, fsdp2, none"]),
     (["parallel.mixed_precision=fp8"], ["parallel.mixed_precision", "fp32, bf16, fp16"]),
-    (["train.micro_batch_size=0"], ["train.micro_batch_size must be >= 1"]),
+    (["train.micro_batch_size=0"], ["train.micro_batch_size must be >= 1, got 0"]),
     (["train.loss_impl=fused"], ["train.loss_impl", "chunked, full, liger"]),
-    (["train.loss_chunk_tokens=-1"], ["train.loss_chunk_tokens must be >= 0"]),
+    (["train.loss_chunk_tokens=-1"], ["train.loss_chunk_tokens must be >= 0, got -1"]),
+    (["train.betas=[0.9,1.0]"], ["train.betas[1] must be in [0, 1), got 1.0"]),
+    (["data.val_fraction=.nan"], ["data.val_fraction must be in [0, 1), got nan"]),
     (["train"], ["must look like key.sub=value"]),
     (["model.path=/x", ], ["exactly one of model.path"]),
 ])
@@ -93,3 +102,97 @@ def test_print_config_and_help(tmp_path):
     assert res.returncode == 0 and "lr: 0.0005" in res.stdout
     res = launch([RECIPE, "--help-config"], torchrun=False, timeout=60)
     assert res.returncode == 0 and "parallel.strategy" in res.stdout and "Linear scaling" in res.stdout
+
+
+def _numeric_keys(cls: type, prefix: str = ""):
+    """(dotted key, dataclass field, annotation) of every int/float key (lists of them too), through sections and
+    lists of sections (data.sources[0].weight)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp, key = hints[f.name], prefix + f.name.rstrip("_")
+        if dataclasses.is_dataclass(tp):
+            yield from _numeric_keys(tp, f"{key}.")
+            continue
+        args = [a for a in (tp, *typing.get_args(tp)) if a is not type(None)]
+        for arg in args:
+            if typing.get_origin(arg) is list and dataclasses.is_dataclass(typing.get_args(arg)[0]):
+                yield from _numeric_keys(typing.get_args(arg)[0], f"{key}[0].")
+        if {int, float} & {*args, *(a for arg in args for a in typing.get_args(arg))}:
+            yield key, f, tp
+
+
+def _recipe_configs() -> list[type]:
+    """Every recipe's config class (recipes/*.py): the shared sections plus each recipe's own (dpo.*, ...)."""
+    found = []
+    for path in sorted((REPO / "recipes").glob("[!_]*.py")):
+        spec = importlib.util.spec_from_file_location(f"recipe_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        found += [v.config_cls for v in vars(module).values() if isinstance(v, type) and issubclass(v, Recipe)]
+    return list(dict.fromkeys(found))
+
+
+# (key, field, annotation, the config class to load it with), each key once
+NUMERIC = list({key: (key, f, tp, cls) for cls in _recipe_configs() for key, f, tp in _numeric_keys(cls)}.values())
+
+
+def _override(key: str, value) -> list[str]:
+    if key == "train.betas":
+        return [f"train.betas=[{value!r}, 0.95]"]
+    if key.startswith("data.sources[0]."):
+        return ["data.path=", f"data.sources=[{{path: data/demo/val.jsonl, {key.split('.')[-1]}: {value!r}}}]"]
+    return [f"{key}={value!r}"]
+
+
+def _edges(valid: Range, is_int: bool) -> tuple[list, list]:
+    """(just outside, just inside) values at each finite bound of the range."""
+    outside, inside = [], []
+    for bound, closed, away in ((valid.lo, valid.lo_closed, -math.inf), (valid.hi, valid.hi_closed, math.inf)):
+        if math.isinf(bound):
+            continue
+        step_out = (bound - 1 if away < 0 else bound + 1) if is_int else math.nextafter(bound, away)
+        step_in = (bound + 1 if away < 0 else bound - 1) if is_int else math.nextafter(bound, -away)
+        outside.append(step_out if closed else bound)
+        inside.append(bound if closed else step_in)
+    return outside, inside
+
+
+def test_every_numeric_key_declares_a_range():
+    keys = {key for key, *_ in NUMERIC}
+    assert {"lora.alpha", "lora.r", "train.lr", "train.betas", "data.sources[0].weight", "log.peak_tflops",
+            "dpo.beta", "dpo.label_smoothing"} <= keys
+    assert [key for key, f, *_ in NUMERIC if "range" not in f.metadata] == []
+    rows = {r[0]: r[1] for r in describe(DPOConfig)}  # --help-config shows each range
+    assert rows["lora.alpha"] == "float, > 0" and rows["train.betas"] == "list[float], each in [0, 1)"
+    assert rows["data.val_fraction"] == "float, in [0, 1)" and rows["data.sources[].weight"] == "float, > 0"
+
+
+def _value(cfg, key: str):
+    """cfg's value at a dotted key; a list's first item (train.betas, data.sources[0])."""
+    for part in key.replace("[0]", "").split("."):
+        cfg = getattr(cfg[0] if isinstance(cfg, list) else cfg, part)
+    return cfg[0] if isinstance(cfg, list) else cfg
+
+
+@pytest.mark.parametrize("key,f,tp,cls", NUMERIC, ids=[k for k, *_ in NUMERIC])
+def test_each_range_refuses_just_outside_and_takes_just_inside(key, f, tp, cls):
+    valid: Range = f.metadata["range"]
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    assert all(v is None or v in valid for v in (default if isinstance(default, list) else [default]))
+    outside, inside = _edges(valid, tp is int)
+    assert outside and inside
+    named = f"{key}[0]" if key == "train.betas" else key
+    for value in outside if tp is int else [*outside, math.nan]:
+        with pytest.raises(ConfigError) as e:
+            load_config(TINY, _override(key, value), cls)
+        assert str(e.value) == f"{named} must be {valid}, got {value if tp is int else float(value)!r}"
+    for value in inside:
+        assert _value(load_config(TINY, _override(key, value), cls), key) == value
+
+
+def test_negative_lora_alpha_exits_2_with_one_line():
+    res = launch([RECIPE, "--config", TINY, "lora.enabled=true", "lora.alpha=-1"], torchrun=False, timeout=60)
+    assert res.returncode == 2 and res.stdout == ""
+    # One line of ours, the last; any import-time warnings of third-party packages in the venv come before it.
+    assert res.stderr.splitlines()[-1] == "error: lora.alpha must be > 0, got -1.0", res.stderr
+    assert res.stderr.count("error:") == 1 and "Traceback" not in res.stderr

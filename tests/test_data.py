@@ -205,6 +205,27 @@ def test_bad_records_are_counted_or_fail_with_file_and_line(tmp_path, tok):
         build(DataConfig(path=str(empty), seq_len=16), tok, seed=0)
 
 
+def test_summary_counts_in_words_and_names_the_first_truncated_pair(tmp_path, tok):
+    short = {"prompt": "Say hi.", "chosen": " Hi.", "rejected": " No."}
+    long = {"prompt": "One two three. " * 20, "chosen": " Four.", "rejected": " Six."}  # the prompt is cut
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [short, {"prompt": "x"}, long]) + "\n")
+    stats = build(DataConfig(path=str(path), format="preference", seq_len=40), tok, seed=0).stats
+    assert (stats.num_examples, stats.skipped, stats.truncated) == (2, 1, 1)
+    reason = "field 'chosen' is missing, not text or a list of messages"
+    assert stats.summary() == (f"2 examples, 1 bad record skipped: {reason} (1); the first at {path}, line 2: "
+                               f"{reason}, 1 truncated to data.seq_len; the first at {path}, line 3")
+    text = tmp_path / "text.jsonl"
+    text.write_text("\n".join(json.dumps({"text": f"document {i}"}) for i in range(10)) + "\n")
+    stats = build(DataConfig(path=str(text), seq_len=16, val_fraction=0.2), tok, seed=0).stats
+    assert stats.summary() == "8 examples (and 2 held out for validation)"
+    text.write_text(json.dumps({"text": "one document"}) + "\n")
+    assert build(DataConfig(path=str(text), seq_len=16), tok, seed=0).stats.summary() == "1 example"
+    text.write_text("\n".join(json.dumps({"text": t}) for t in ("short", "a long document " * 20)) + "\n")
+    stats = build(DataConfig(path=str(text), seq_len=16, packing=False), tok, seed=0).stats
+    assert stats.summary() == f"2 examples, 1 truncated to data.seq_len; the first at {text}, line 2"
+
+
 def test_streaming_resume_at_same_world_size_is_exact(tok, single_process_group):
     section = DataConfig(path=str(REPO / "data" / "demo" / "val.jsonl"), seq_len=32, streaming=True,
                          shuffle_buffer=50)

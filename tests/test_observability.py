@@ -105,9 +105,8 @@ def test_eta_and_duration():
 
 
 def test_logger_check_names_the_key(monkeypatch):
-    cfg = load_config(TINY, ["log.peak_tflops=0"])
-    with pytest.raises(ConfigError, match="log.peak_tflops must be > 0"):
-        m.check(cfg.log)
+    with pytest.raises(ConfigError, match="log.peak_tflops must be > 0, got 0.0"):  # the range is load_config's
+        load_config(TINY, ["log.peak_tflops=0"])
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(ConfigError, match=r"log.wandb.project needs the wandb package: pip install wandb"):
@@ -219,6 +218,39 @@ def test_plot_mixed_train_and_eval_records(tmp_path):
     png = (tmp_path / "curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
     assert plot.main([str(tmp_path / "nowhere")]) == 2
+
+
+def test_plot_panels_follow_the_keys_of_any_recipe(tmp_path, capsys):
+    from llmtrain import plot
+
+    dpo = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected"]
+    records = [{"step": s, "loss": 0.7 - s / 100, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_sec": 1000.0,
+                **{k: s / 10 for k in dpo}, "reward": s / 5, "reward_std": 0.1, "kl": 0.01 * s, "mfu": None}
+               for s in range(1, 9)]
+    records += [{"step": s, "val_loss": 0.6, "val_ppl": 1.8, **{f"val_{k}": 0.5 for k in dpo}, "val_kl": 0.02,
+                 "val_custom": 3.0, "harness/arc_easy/acc": 0.4, "harness/arc_easy/acc_norm": 0.45,
+                 "harness/hellaswag/acc": 0.3} for s in (4, 8)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(map(json.dumps, records)) + "\n")
+    assert plot.panels(plot.read_records(tmp_path / "metrics.jsonl")) == [
+        ("Preference accuracy", ["rewards/accuracies", "val_rewards/accuracies"]),
+        ("Rewards", ["rewards/chosen", "rewards/rejected", "rewards/margins", "val_rewards/chosen",
+                     "val_rewards/rejected", "val_rewards/margins"]),
+        ("Log-probs", ["logps/chosen", "logps/rejected", "val_logps/chosen", "val_logps/rejected"]),
+        ("Reward", ["reward", "reward_std"]),
+        ("KL", ["kl", "val_kl"]),
+        ("Harness scores", ["harness/arc_easy/acc", "harness/arc_easy/acc_norm", "harness/hellaswag/acc"]),
+        ("Perplexity", ["val_ppl"]),
+        ("Validation", ["val_custom"]),
+    ]
+    assert plot.panels([{"step": 1, "loss": 2.0, "lr": 1e-3, "mfu": None}]) == []  # finetune: the four fixed ones
+    assert plot.main([str(tmp_path)]) == 0
+    png = (tmp_path / "curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 60_000  # 12 panels
+    with pytest.raises(SystemExit):
+        plot.main(["--help"])
+    assert "run logs the steps after its checkpoint again, and the last record of a step wins.\n\n" in \
+        capsys.readouterr().out  # the whole description, not its first line
 
 
 # -- one real 2-process run with every logger on ----------------------------------------------------

@@ -269,14 +269,12 @@ def test_any_split_gives_the_loss_metrics_and_gradients_of_the_whole_batch(tok, 
 
 
 def test_loss_settings_are_checked_naming_the_key():
-    pl.check("simpo", 2.0, 0.1, 0.5, 0.0, False)
-    pl.check("ipo", 0.1, 0.0, 0.0, 0.0, True)
-    for args, key in [(("dpo", 0.1, 0.0, 0.0, 0.0), "dpo.loss"), (("sigmoid", 0.0, 0.0, 0.0, 0.0), "dpo.beta"),
-                      (("sigmoid", 0.1, 0.5, 0.0, 0.0), "dpo.label_smoothing"),
-                      (("ipo", 0.1, 0.1, 0.0, 0.0), "dpo.label_smoothing"),
-                      (("sigmoid", 0.1, 0.0, 0.5, 0.0), "dpo.gamma"),
-                      (("sigmoid", 0.1, 0.0, 0.0, -1.0), "dpo.sft_weight")]:
+    """Combinations of dpo.* keys; each key's range is load_config's (tests/test_config.py)."""
+    pl.check("simpo", 0.1, 0.5, False)
+    pl.check("ipo", 0.0, 0.0, True)
+    for args, key in [(("dpo", 0.0, 0.0), "dpo.loss"), (("ipo", 0.1, 0.0), "dpo.label_smoothing"),
+                      (("sigmoid", 0.0, 0.5), "dpo.gamma")]:
         with pytest.raises(ConfigError, match=key):
             pl.check(*args, False)
     with pytest.raises(ConfigError, match="dpo.precompute_reference"):  # simpo has no reference
-        pl.check("simpo", 2.0, 0.0, 0.0, 0.0, True)
+        pl.check("simpo", 0.0, 0.0, True)

@@ -72,17 +72,28 @@ class Stats:
     truncated: int = 0
     streaming: bool = False
     first_bad: str = ""  # file:line and reason of the first skipped record
+    first_truncated: str = ""  # file:line of the first truncated example
+    held_out: int = 0  # examples held out for validation (data.val_fraction)
 
     def summary(self) -> str:
         if self.streaming:  # nothing is read ahead; bad records are counted as they stream past
             return "streaming (tokenized and packed on the fly)"
-        text = f"{self.num_examples} examples"
+        text = plural(self.num_examples, "example")
+        if self.held_out:
+            text += f" (and {self.held_out} held out for validation)"
         if self.skipped:
             top = ", ".join(f"{r} ({n})" for r, n in sorted(self.reasons.items(), key=lambda x: -x[1])[:3])
-            text += f", {self.skipped} bad records skipped: {top}; the first at {self.first_bad}"
+            text += f", {plural(self.skipped, 'bad record')} skipped: {top}; the first at {self.first_bad}"
         if self.truncated:
             text += f", {self.truncated} truncated to data.seq_len"
+            if self.first_truncated:
+                text += f"; the first at {self.first_truncated}"
         return text
+
+
+def plural(n: int, noun: str) -> str:
+    """`1 example`, `2 examples`."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _encode_batch(batch: dict, section: DataConfig, fmt: Format, tokenizer) -> dict:
@@ -142,6 +153,9 @@ def _examples(path: str, fmt: str, key: str, section: DataConfig, tokenizer, sta
     for i in bad:
         stats.reasons[errors[i]] = stats.reasons.get(errors[i], 0) + 1
     stats.skipped += len(bad)
+    if not stats.first_truncated:  # named like the first skipped record
+        first = next((i for i, (t, e) in enumerate(zip(ds["truncated"], errors)) if t and not e), None)
+        stats.first_truncated = "" if first is None else _where(first, ds, parts)
     ds = ds.remove_columns("where")
     return ds.filter(lambda e: not e, input_columns="error").remove_columns("error") if bad else ds.remove_columns("error")
 
@@ -213,6 +227,7 @@ def _build(section: DataConfig, tokenizer, seed: int, rank: int, world_size: int
         if section.val_fraction and not section.val_path:
             split = examples.train_test_split(test_size=section.val_fraction, seed=seed, shuffle=True)
             examples, val = split["train"], _rows(split["test"], kind, section, tokenizer, Stats())
+            stats.held_out = len(split["test"])
         train = _rows(examples, kind, section, tokenizer, stats)
         if len(train) == 0:
             raise ConfigError(f"the training data yields no rows ({stats.summary()})")

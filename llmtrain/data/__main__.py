@@ -13,7 +13,7 @@ import json
 import sys
 
 from llmtrain.config import ConfigError, load_config
-from llmtrain.data import IGNORE, build, check
+from llmtrain.data import IGNORE, build, check, plural
 from llmtrain.models.hf import load_tokenizer
 
 
@@ -87,10 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(cfg.tokenizer.path or cfg.model.path, cfg.model.trust_remote_code)
     for i, s in enumerate(summary["samples"]):
         trained = sum(1 for x in s["labels"][1:] if x != IGNORE)
-        print(f"--- row {i}: {len(s['input_ids'])} tokens, {trained} trained")
+        print(f"--- row {i}: {plural(len(s['input_ids']), 'token')}, {trained} trained")
         print(render(s["input_ids"], s["labels"], tokenizer, colour))
-    print(f"--- {summary['num_examples']} examples -> {summary['num_rows']} rows of {cfg.data.seq_len} tokens; "
-          f"{summary['trained_tokens']} trained tokens; packing efficiency {summary['packing_efficiency']:.1%}; "
+    print(f"--- {plural(summary['num_examples'], 'example')} -> {plural(summary['num_rows'], 'row')} of "
+          f"{cfg.data.seq_len} tokens; {plural(summary['trained_tokens'], 'trained token')}; "
+          f"packing efficiency {summary['packing_efficiency']:.1%}; "
           f"{summary['truncated']} truncated; {summary['skipped']} skipped")
     return 0
 

@@ -24,7 +24,7 @@ from typing import Literal, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from llmtrain.config import Config, ConfigError
+from llmtrain.config import Config, ConfigError, ranged
 from llmtrain.distributed import all_reduce
 from llmtrain.data.formats import IGNORE
 from llmtrain.losses.token import next_token_targets, token_logps  # noqa: F401  (token_logps: from full logits, here too)
@@ -40,13 +40,13 @@ class DPOSection:
     loss: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"
     """sigmoid: DPO (Rafailov 2023) | ipo: IPO (Azar 2023, per-token normalised) | simpo: SimPO (Meng 2024),
     reference-free."""
-    beta: float = 0.1
+    beta: float = ranged("(0, inf)", default=0.1)
     """Strength of the pull towards the reference (sigmoid, ipo); SimPO's reward scale."""
-    label_smoothing: float = 0.0
+    label_smoothing: float = ranged("[0, 0.5)", default=0.0)
     """sigmoid / simpo: assumed probability that a pair's labels are flipped (conservative DPO); in [0, 0.5)."""
-    gamma: float = 0.0
+    gamma: float = ranged("[0, inf)", default=0.0)
     """simpo: target reward margin."""
-    sft_weight: float = 0.0
+    sft_weight: float = ranged("[0, inf)", default=0.0)
     """Adds sft_weight x the chosen responses' mean token NLL to the loss (keeps their likelihood up)."""
     precompute_reference: bool = False
     """sigmoid, ipo: score every training pair with the reference once before training, cached next to the
@@ -60,21 +60,14 @@ class DPOConfig(Config):
     dpo: DPOSection = field(default_factory=DPOSection)
 
 
-def check(loss: str, beta: float, label_smoothing: float, gamma: float, sft_weight: float,
-          precompute_reference: bool) -> None:
-    """Set-up checks, naming the dpo.* keys."""
+def check(loss: str, label_smoothing: float, gamma: float, precompute_reference: bool) -> None:
+    """Set-up checks across dpo.* keys (each key's own range is load_config's: DPOSection's ranged fields)."""
     if loss not in LOSSES:
         raise ConfigError(f"dpo.loss: {loss!r} is not a valid choice; choose one of {', '.join(LOSSES)}")
-    if beta <= 0:
-        raise ConfigError("dpo.beta must be > 0")
-    if not 0 <= label_smoothing < 0.5:
-        raise ConfigError("dpo.label_smoothing must be in [0, 0.5)")
     if label_smoothing and loss == "ipo":
         raise ConfigError("dpo.label_smoothing applies to dpo.loss=sigmoid or simpo, not ipo")
     if gamma and loss != "simpo":
         raise ConfigError("dpo.gamma (the target reward margin) applies to dpo.loss=simpo only")
-    if sft_weight < 0:
-        raise ConfigError("dpo.sft_weight must be >= 0")
     if precompute_reference and loss in REFERENCE_FREE:
         raise ConfigError(f"dpo.precompute_reference: dpo.loss={loss} uses no reference model, so there is nothing "
                           "to precompute; set dpo.precompute_reference=false")
