@@ -281,9 +281,9 @@ class LoraConfig:
     quantize_base: Literal["none", "nf4"] = "none"
     """nf4 (QLoRA): the frozen linear weights of the decoder blocks stored 4-bit (torchao's NF4; llmtrain[qlora]);
     embeddings, norms and the output layer stay in base_dtype. llmtrain/models/nf4.py."""
-    nf4_block_size: int = 64
+    nf4_block_size: int = ranged("[2, inf)", default=64)
     """NF4: weights per absmax scale (QLoRA's and torchtune's 64)."""
-    nf4_scaler_block_size: int = 256
+    nf4_scaler_block_size: int = ranged("[1, inf)", default=256)
     """NF4: scales per 8-bit-quantized group of scales (double quantization; QLoRA's and torchtune's 256)."""
 
 

@@ -72,11 +72,8 @@ def check(section: LoraConfig, strategy_name: str) -> None:
     if strategy_name == "fsdp":
         raise ConfigError("lora.quantize_base=nf4 does not work with parallel.strategy=fsdp (FSDP1 flattens "
                           "parameters, which a 4-bit tensor subclass cannot join); use parallel.strategy=fsdp2")
-    for key in ("nf4_block_size", "nf4_scaler_block_size"):
-        value = getattr(section, key)
-        if value < 1 or (key == "nf4_block_size" and value % 2):
-            raise ConfigError(f"lora.{key}={value} must be a positive{' even' if key == 'nf4_block_size' else ''} "
-                              "integer")
+    if section.nf4_block_size % 2:  # two 4-bit codes per byte (the range is config's)
+        raise ConfigError(f"lora.nf4_block_size={section.nf4_block_size} must be even")
     _torchao()
 
 
