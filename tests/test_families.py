@@ -9,13 +9,14 @@ import json
 import pytest
 from transformers import AutoTokenizer, BertConfig, BertForMaskedLM, LlamaConfig, LlamaModel, Qwen3Config
 
-from conftest import EXPORT_LOGITS, REPO, TINY, launch, losses, read_metrics, run_side_by_side
-from families import FAMILIES, SHAPE, make_family
+from helpers import EXPORT_LOGITS, REPO, TINY
+from helpers.export import assert_export_matches
+from helpers.families import FAMILIES, SHAPE, make_family
+from helpers.procs import launch, losses, read_metrics, run_side_by_side
 from llmtrain import metrics as metrics_lib
-from llmtrain.models import hf as model_lib
 from llmtrain.config import ConfigError, DataConfig, ModelConfig
 from llmtrain.data.formats import IGNORE, BadRecord, encode_chat
-from test_export import assert_export_matches
+from llmtrain.models import hf as model_lib
 
 MATRIX = REPO / "tests" / "scripts" / "family_matrix.py"
 TOL = 2e-5
@@ -125,6 +126,7 @@ def test_flops_count_attention_width_and_tied_embeddings_once():
     assert qwen3 == 6 * 131_520 + 12 * 2 * 128 * seq == 985_728  # d_attn = 4 heads x 32 = 128, not hidden 64
 
 
+@pytest.mark.slow
 def test_encoders_and_headless_models_are_refused_at_start(tmp_path):
     small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, vocab_size=512)
     BertForMaskedLM(BertConfig(**small)).save_pretrained(tmp_path / "bert")

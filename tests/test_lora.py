@@ -19,12 +19,13 @@ from peft import PeftModel, get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from conftest import EXPORT_LOGITS, RECIPE, TINY, launch, losses, losses_by_step, run_recipe, run_side_by_side
+from helpers import EXPORT_LOGITS, RECIPE, TINY
+from helpers.export import assert_export_matches
+from helpers.procs import launch, losses, losses_by_step, run_recipe, run_side_by_side
 from llmtrain import metrics
-from llmtrain.models import lora
 from llmtrain.config import ConfigError, load_config
+from llmtrain.models import lora
 from llmtrain.models.hf import build_meta_model, load_model_config, load_tokenizer
-from test_export import assert_export_matches
 
 TOL = 2e-5
 SPLITS = {  # name: (ranks, micro, accum, overrides, script); global batch 4 rows in each
@@ -35,12 +36,6 @@ SPLITS = {  # name: (ranks, micro, accum, overrides, script); global batch 4 row
     "fsdp2_ac": (2, 1, 2, ("parallel.strategy=fsdp2", "parallel.activation_checkpointing=true"), EXPORT_LOGITS),
     "hsdp": (2, 2, 1, ("parallel.strategy=fsdp2", "parallel.replicate=2"), RECIPE),  # 2 replicas x 1 shard
 }
-
-
-@pytest.fixture(scope="session")
-def base(reference_run) -> Path:
-    """The reference run's export: a tiny Llama in Hugging Face format (model.safetensors, tied embeddings)."""
-    return reference_run / "hf"
 
 
 def lora_args(base: Path, *extra: str) -> list[str]:
@@ -150,6 +145,7 @@ def test_lora_checkpoint_holds_adapters_and_resumes_exactly_elsewhere(tmp_path, 
         assert [got[s] for s in (3, 4)] == pytest.approx([full[3], full[4]], abs=TOL), strategy
 
 
+@pytest.mark.slow
 def test_lora_resume_refuses_another_base_or_lora_off(tmp_path, lora_runs, base):
     ckpt = lora_runs["none"] / "checkpoints" / "step_2"
     other = tmp_path / "other"
@@ -180,6 +176,7 @@ def test_lora_modules_to_save_and_init_from_round_trip(tmp_path, lora_runs, base
     assert diff.abs().max() < 1e-5
 
 
+@pytest.mark.slow
 def test_lora_bad_settings_name_the_key(tmp_path, base):
     def load(*overrides):
         return load_config(TINY, lora_args(base, *overrides))

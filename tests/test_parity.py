@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import EXPORT_LOGITS, RECIPE, losses, run_recipe, run_side_by_side
-from test_export import assert_export_matches
+from helpers import EXPORT_LOGITS, RECIPE
+from helpers.export import assert_export_matches
+from helpers.procs import losses, run_recipe, run_side_by_side
 
 # (ranks, micro_batch_size, grad_accum_steps): global batch 4 rows in each.
 SPLITS = [(1, 4, 1), (1, 2, 2), (2, 2, 1), (2, 1, 2)]
 TOL = 2e-5
 
 
+@pytest.mark.slow
 def test_none_accumulation_matches_micro_batch(tmp_path, reference):
     run_recipe(tmp_path, "parallel.strategy=none", "train.micro_batch_size=2", "train.grad_accum_steps=2")
     assert losses(tmp_path) == pytest.approx(reference, abs=TOL)
