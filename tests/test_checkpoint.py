@@ -97,6 +97,23 @@ def test_async_save_and_keep_last(tmp_path, reference):
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="llmtrain.checkpoint: an async save publishes (in a later step's poll) the "
+                   "TrainState the loop has advanced since: step_3's trainer_state.json says step 6, so the resume "
+                   "starts at step 6 on step 3's weights")
+def test_async_checkpoint_resumes_exactly(tmp_path):
+    """checkpoint.async=true (one process): the save at step 3, resumed on 2 ranks (fsdp2), gives steps 4-6 of the
+    uninterrupted run. (One process saves: on 2 ranks fsdp2 an async save aborts the run in a gloo collective
+    mismatch during the next step, seen at torch 2.13.)"""
+    run_recipe(tmp_path / "async", "checkpoint.async=true", *SIX)
+    full = losses_by_step(tmp_path / "async")
+    assert sorted(p.name for p in (tmp_path / "async" / "checkpoints").iterdir()) == ["step_3", "step_6"]
+    got = resume_from(tmp_path / "async", tmp_path / "resumed", 3, "parallel.strategy=fsdp2",
+                      "train.micro_batch_size=2", "train.max_steps=6", nproc=2)
+    assert sorted(got) == [4, 5, 6]
+    assert [got[s] for s in (4, 5, 6)] == pytest.approx([full[s] for s in (4, 5, 6)], abs=TOL)
+
+
+@pytest.mark.slow
 def test_time_based_checkpoints(tmp_path):
     """checkpoint.every_minutes alone: a timer that is always due saves after every step, on 2 ranks that
     agree on it through the per-step all-reduce."""
