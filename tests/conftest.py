@@ -7,22 +7,26 @@ from pathlib import Path
 
 import pytest
 
-from helpers import EXPORT_LOGITS, procs
+from helpers import procs
+from helpers.export import save_baseline
 from helpers.procs import TWO_RANKS, losses, run_recipe
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
-    """Before the test's fixtures: session fixtures that launch runs are set up by the first test using them."""
+    """Runs before the test's fixtures are set up: a session fixture that launches runs is set up by the first
+    test using it, which must then be marked slow too."""
     procs.running_slow_test = item.get_closest_marker("slow") is not None
 
 
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory) -> Path:
-    """The plainest run (one process, no wrapper, micro 4, accum 1), through EXPORT_LOGITS so its
-    export can be checked too: the losses every other configuration must match."""
+    """The plainest run of the recipe (one process, no wrapper, micro 4, accum 1): the losses every other
+    configuration must match, and its export's logits (probe.safetensors) those of every other export. Its
+    last step is checkpointed too (checkpoints/step_4), for the export to be compared with."""
     out = tmp_path_factory.mktemp("reference")
-    run_recipe(out, "parallel.strategy=none", script=EXPORT_LOGITS)
+    run_recipe(out, "parallel.strategy=none", "checkpoint.every_steps=4")
+    save_baseline(out)
     return out
 
 
@@ -31,8 +35,6 @@ def reference(reference_run) -> list[float]:
     ref = losses(reference_run)
     assert len(ref) == 4 and ref[-1] < ref[0], ref
     return ref
-
-
 
 
 @pytest.fixture(scope="session")

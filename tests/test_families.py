@@ -9,8 +9,8 @@ import json
 import pytest
 from transformers import AutoTokenizer, BertConfig, BertForMaskedLM, LlamaConfig, LlamaModel, Qwen3Config
 
-from helpers import EXPORT_LOGITS, REPO, TINY
-from helpers.export import assert_export_matches
+from helpers import RECIPE, REPO, TINY
+from helpers.export import assert_export_matches, save_baseline
 from helpers.families import FAMILIES, SHAPE, make_family
 from helpers.procs import launch, losses, read_metrics, run_side_by_side
 from llmtrain import metrics as metrics_lib
@@ -148,12 +148,11 @@ def test_encoders_and_headless_models_are_refused_at_start(tmp_path):
 @pytest.mark.slow
 def test_gemma2_recipe_picks_eager_and_trains_alike_on_one_and_two_ranks(tmp_path, family_dirs):
     """The recipe end to end on a family that needed both fixes (embed_scale, no sdpa), on chat data whose
-    system messages Gemma2's template refuses: 1 process vs fsdp2 on 2, then the export."""
+    system messages Gemma2's template refuses: 1 process vs fsdp2 on 2, then their exports."""
     common = [f"model.path={family_dirs['gemma2']}", "model.config=null", "tokenizer.path=null",
               f"data.path={REPO / 'data' / 'demo' / 'chat.jsonl'}", "data.format=chat"]
-    runs = {"one": (tmp_path / "one", 1, [*common, "parallel.strategy=none"], EXPORT_LOGITS),
-            "two": (tmp_path / "two", 2, [*common, "parallel.strategy=fsdp2", "train.micro_batch_size=2"],
-                    EXPORT_LOGITS)}
+    runs = {"one": (tmp_path / "one", 1, [*common, "parallel.strategy=none"], RECIPE),
+            "two": (tmp_path / "two", 2, [*common, "parallel.strategy=fsdp2", "train.micro_batch_size=2"], RECIPE)}
     results = run_side_by_side(runs, at_once=2)
     one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert len(one) == 4 and one[-1] < one[0], one
@@ -164,4 +163,4 @@ def test_gemma2_recipe_picks_eager_and_trains_alike_on_one_and_two_ranks(tmp_pat
     # Gemma2's template has no system role: those conversations are bad records, skipped and counted
     assert "the chat template refuses this conversation: System role not supported" in log, log[-3000:]
     assert read_metrics(tmp_path / "two")[0]["trained_tokens"] > 0
-    assert_export_matches(tmp_path / "two")
+    assert_export_matches(tmp_path / "two", save_baseline(tmp_path / "one"))  # 2 ranks' export: 1 process's logits

@@ -6,4 +6,3 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "finetune.py"
 TINY = REPO / "tests" / "tiny.yaml"
-EXPORT_LOGITS = REPO / "tests" / "scripts" / "export_logits.py"
