@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 NPROC ?= 2
 BIN := $(VENV)/bin
 
-.PHONY: demo test install clean
+.PHONY: demo test test-fast lint install clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,13 @@ demo: $(BIN)/.installed
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q tests
+
+# The unit tests only: no test marked slow, and only those may start a process (tests/helpers/procs.py).
+test-fast: $(BIN)/.installed
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+lint: $(BIN)/.installed
+	$(BIN)/ruff check .
 
 clean:
 	rm -rf $(VENV) outputs

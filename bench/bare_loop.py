@@ -39,7 +39,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     # As llmtrain: model.config's vocab_size if set, else the tokenizer's size.
-    vocab = cfg["model"]["config"].pop("vocab_size", None) or len(AutoTokenizer.from_pretrained(cfg["tokenizer"]["path"]))
+    vocab = (cfg["model"]["config"].pop("vocab_size", None)
+             or len(AutoTokenizer.from_pretrained(cfg["tokenizer"]["path"])))
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, use_cache=False, **cfg["model"]["config"]))
     if strategy == "fsdp2":
@@ -72,7 +73,8 @@ def main() -> None:
     windows = [(b[0] - a[0]) * micro * seq * world / (b[1] - a[1]) for a, b in zip(marks, marks[1:])]
     if rank == 0:
         result = {"strategy": strategy, "tokens_per_sec": tokens / seconds, "window_tokens_per_sec": windows,
-                  "tokens": tokens, "seconds": seconds, "steps": args.steps, "warmup": args.warmup, "world_size": world, "seq_len": seq,
+                  "tokens": tokens, "seconds": seconds, "steps": args.steps, "warmup": args.warmup, "world_size": world,
+                  "seq_len": seq,
                   "micro_batch_size": micro, "last_loss": loss.item()}
         with open(args.out, "w") as f:
             json.dump(result, f)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import REPO, fmt_bytes, median, run, torchrun, train_records  # noqa: E402
+from common import REPO, fmt_bytes, median, run, torchrun, train_records
 
 DPO = REPO / "recipes" / "dpo.py"
 SHAPE = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,

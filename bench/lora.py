@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RECIPE, REPO, fmt_bytes, median, torchrun, train_records  # noqa: E402
+from common import RECIPE, REPO, fmt_bytes, median, torchrun, train_records
 
 COMMON_SHAPE = dict(vocab_size=32000, max_position_embeddings=512, tie_word_embeddings=True, num_key_value_heads=4)
 SIZES = {  # name: Llama shape (head_dim 64)

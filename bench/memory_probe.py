@@ -31,9 +31,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
+import torch
 
-from common import tokenizer_and_config, proc_status, reset_peak_rss  # noqa: E402
+from common import proc_status, reset_peak_rss, tokenizer_and_config
 
 
 def export(out: Path, shape: dict, seed: int) -> None:

@@ -15,7 +15,8 @@ The 1-minute load average before and after each benchmark is recorded (the machi
 
   overhead    recipes/finetune.py (llama-32k, fsdp2, 2 ranks, gloo) vs bench/bare_loop.py, the bare
               tutorial loop on the same model shape, seq_len, batch and ranks; steady-state tokens/s
-              after warm-up, --pairs pairs (default 2) in alternating order (A B, B A, ...), median ratio. Target >= 0.97x.
+              after warm-up, --pairs pairs (default 2) in alternating order (A B, B A, ...), median ratio.
+              Target >= 0.97x.
   loss        the recipe with train.loss_impl=chunked vs full: step time and peak memory per rank at
               llama-128k (targets: time <= 1.0x, memory <= 0.6x) and llama-32k (time <= 1.0x); --pairs pairs each.
   trainer     useful (trained, non-pad) tokens/s on data/demo/chat.jsonl at llama-32k: the recipe (chat
@@ -62,10 +63,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (RECIPE, REPO, BenchError, alternating_pairs, best_window_rate, fmt_bytes, median,  # noqa: E402
+from common import (RECIPE, REPO, BenchError, alternating_pairs, best_window_rate, fmt_bytes, median,
                     pair_order, run, steady_tokens_per_sec, torchrun, train_records, useful_tokens_per_sec)
 
-import yaml  # noqa: E402
+import yaml
 
 BENCH = REPO / "bench"
 DEMO = REPO / "configs" / "demo.yaml"
@@ -158,7 +159,8 @@ def bench_overhead(ctx: Ctx) -> dict:
              "window (less sensitive to bursts of load from other processes on the machine). "
              f"Spread of the per-pair ratios: {spread:.2f}x. The recipe adds real data loading (packed rows "
              "with position_ids, so attention is block-causal: llmtrain/models/attention.py), a token-weighted loss "
-             "(train.loss_impl=chunked, the default) with two all-reduces, grad clipping, a preemption all-reduce and metrics per step, and it uses "
+             "(train.loss_impl=chunked, the default) with two all-reduces, grad clipping, a preemption all-reduce "
+             "and metrics per step, and it uses "
              "fused AdamW; the bare loop reuses one random batch with plain causal attention and torch's "
              "default (per-parameter) AdamW.")
     return {"title": "Framework overhead: recipe vs bare loop", "table": text,
@@ -173,7 +175,8 @@ def bench_overhead(ctx: Ctx) -> dict:
 
 def bench_loss(ctx: Ctx) -> dict:
     """train.loss_impl=chunked vs full through the recipe: step time and peak memory per rank."""
-    shapes = [("128k", SHAPE_128K, (3, 1) if ctx.quick else (4, 1)), ("32k", SHAPE_32K, (6, 2) if ctx.quick else (10, 3))]
+    shapes = [("128k", SHAPE_128K, (3, 1) if ctx.quick else (4, 1)),
+              ("32k", SHAPE_32K, (6, 2) if ctx.quick else (10, 3))]
     pairs = 1 if ctx.quick else ctx.pairs
     work = ctx.dir("loss")
     rows, ratios_, raw = [], [], {}
@@ -192,8 +195,8 @@ def bench_loss(ctx: Ctx) -> dict:
         time_ratio = median([f[0] / c[0] for c, f in runs])  # chunked step time / full step time
         mem_ratio = median([c[1] / f[1] for c, f in runs])
         for i, (c, f) in enumerate(runs):
-            rows.append([f"{label}, pair {i + 1} ({pair_order(i)})", f"{c[0]:,.0f}", f"{f[0]:,.0f}", f"{f[0] / c[0]:.3f}",
-                         f"{c[1]:.2f}", f"{f[1]:.2f}", f"{c[1] / f[1]:.2f}"])
+            rows.append([f"{label}, pair {i + 1} ({pair_order(i)})", f"{c[0]:,.0f}", f"{f[0]:,.0f}",
+                         f"{f[0] / c[0]:.3f}", f"{c[1]:.2f}", f"{f[1]:.2f}", f"{c[1] / f[1]:.2f}"])
         rows.append([f"**{label} median**", "", "", f"**{time_ratio:.3f}**", "", "", f"**{mem_ratio:.2f}**"])
         ratios_.append(ratio(f"loss {label}: chunked / full step time", time_ratio, 1.0, "<="))
         if label == "128k":
@@ -231,7 +234,8 @@ def vs_hf(ctx: Ctx, kind: str) -> dict:
     cfg = write_config(work / "chat.yaml", SHAPE_32K, {"data": {"path": "data/demo/chat.jsonl", "format": "chat",
                                                                 "packing": True},
                                                        "parallel": {"strategy": "ddp"}})
-    micro, seq = yaml.safe_load(cfg.read_text())["train"]["micro_batch_size"], yaml.safe_load(cfg.read_text())["data"]["seq_len"]
+    loaded = yaml.safe_load(cfg.read_text())
+    micro, seq = loaded["train"]["micro_batch_size"], loaded["data"]["seq_len"]
     other = {"trainer": ("HF Trainer", BENCH / "hf_trainer.py", None),
              "trl": ("TRL SFTTrainer", BENCH / "trl_sft.py", trl_python(ctx) if kind == "trl" else None)}
     name, script, bindir = other[kind]
@@ -287,7 +291,8 @@ def vs_hf(ctx: Ctx, kind: str) -> dict:
              f"{median(hf_tok):,.0f}. {name}: {how}; {hf_info['wrapper']} over {hf_info['backend']} "
              f"({hf_info['distributed_type']}; on CPU accelerate ignores FSDP settings, so DDP), "
              f"find_unused_parameters={hf_info['find_unused_parameters']}. The recipe ran DDP too "
-             f"(parallel.strategy=ddp), data.format=chat, data.packing=true, train.loss_impl=chunked. {steps} steps, the "
+             f"(parallel.strategy=ddp), data.format=chat, data.packing=true, train.loss_impl=chunked. {steps} steps, "
+             "the "
              "first {warmup} left out; time from rank 0 at the end of each step (the recipe's elapsed_s, a callback's "
              "on_step_end). Peak memory: peak RSS of the process, max over ranks (the recipe's mem_gb). "
              f"Spread of the per-pair ratios: {max(ratios_) / min(ratios_):.2f}x.").replace("{warmup}", str(warmup))

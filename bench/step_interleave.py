@@ -25,11 +25,11 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 
 def main() -> None:

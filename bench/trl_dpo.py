@@ -21,12 +21,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import trl  # noqa: E402
-import yaml  # noqa: E402
-from datasets import load_dataset  # noqa: E402
-from trl import DPOConfig, DPOTrainer  # noqa: E402
+import trl
+import yaml
+from datasets import load_dataset
+from trl import DPOConfig, DPOTrainer
 
-from hf_trainer import Counting, load_tokenizer, parse_args, train_and_report, training_kwargs  # noqa: E402
+from hf_trainer import Counting, load_tokenizer, parse_args, train_and_report, training_kwargs
 
 
 class CountingDPOTrainer(Counting, DPOTrainer):

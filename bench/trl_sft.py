@@ -19,12 +19,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import trl  # noqa: E402
-import yaml  # noqa: E402
-from datasets import load_dataset  # noqa: E402
-from trl import SFTConfig, SFTTrainer  # noqa: E402
+import trl
+import yaml
+from datasets import load_dataset
+from trl import SFTConfig, SFTTrainer
 
-from hf_trainer import Counting, build_model, load_tokenizer, parse_args, train_and_report, training_kwargs  # noqa: E402
+from hf_trainer import Counting, build_model, load_tokenizer, parse_args, train_and_report, training_kwargs
 
 
 class CountingSFTTrainer(Counting, SFTTrainer):

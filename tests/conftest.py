@@ -1,149 +1,32 @@
-"""Shared helpers: launch real processes (torchrun --standalone) with a hard timeout that kills the
-whole process group, so a hung collective fails a test instead of hanging the suite."""
+"""Fixtures shared by the test modules, and the hook that lets only slow tests launch processes; the helpers
+themselves are in tests/helpers."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-RECIPE = REPO / "recipes" / "finetune.py"
-TINY = REPO / "tests" / "tiny.yaml"
-EXPORT_LOGITS = REPO / "tests" / "scripts" / "export_logits.py"
-BIN = Path(sys.executable).parent
+from helpers import procs
+from helpers.export import save_baseline
+from helpers.procs import TWO_RANKS, losses, run_recipe
 
 
-def start(args: list[str], nproc: int = 1, env: dict | None = None, torchrun: bool = True,
-          torchrun_args: tuple[str, ...] = ()) -> subprocess.Popen:
-    """Start `args` (a script and its arguments) under torchrun with nproc processes, or plain python,
-    in its own process group (so a timeout can kill everything it started)."""
-    if torchrun:
-        cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", *torchrun_args,
-               *map(str, args)]
-    else:
-        cmd = [sys.executable, *map(str, args)]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
-                **(env or {})}
-    return subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-
-
-def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"timed out after {timeout}s: {' '.join(proc.args)}\n--- stdout\n{out[-3000:]}\n"
-                    f"--- stderr\n{err[-3000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def launch(args: list[str], nproc: int = 1, timeout: float = 240, env: dict | None = None,
-           torchrun: bool = True, torchrun_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    return finish(start(args, nproc, env, torchrun, torchrun_args), timeout)
-
-
-def worker_pids(launcher_pid: int) -> dict[int, int]:
-    """{rank: pid} of the training processes below a torchrun process."""
-    pids = {}
-    for task in Path(f"/proc/{launcher_pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            try:
-                env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            for item in env:
-                if item.startswith(b"RANK="):
-                    pids[int(item[5:])] = int(child)
-    return pids
-
-
-def wait_for_step(output_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> int:
-    """Block until metrics.jsonl reports at least `step`; returns the step seen."""
-    deadline = time.monotonic() + timeout
-    path = output_dir / "metrics.jsonl"
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"exited early with {proc.returncode}: {proc.stderr.read()[-3000:]}")
-        if path.is_file():
-            lines = path.read_text().splitlines()
-            if lines and json.loads(lines[-1])["step"] >= step:
-                return json.loads(lines[-1])["step"]
-        time.sleep(0.05)
-    pytest.fail(f"no step {step} within {timeout}s")
-
-
-def start_recipe(output_dir: Path, *overrides: str, nproc: int = 1, config: Path = TINY, torchrun: bool = True,
-                 torchrun_args: tuple[str, ...] = (), script: Path = RECIPE) -> subprocess.Popen:
-    """Start the recipe (or EXPORT_LOGITS, which runs the recipe and saves probe logits)."""
-    return start([script, "--config", config, f"output_dir={output_dir}", *overrides], nproc=nproc,
-                 torchrun=torchrun, torchrun_args=torchrun_args)
-
-
-def finish_recipe(proc: subprocess.Popen, timeout: float = 240, check: bool = True) -> subprocess.CompletedProcess:
-    res = finish(proc, timeout)
-    if check and res.returncode != 0:
-        pytest.fail(f"exit {res.returncode}: {' '.join(res.args)}\n--- stdout\n{res.stdout[-4000:]}\n"
-                    f"--- stderr\n{res.stderr[-6000:]}")
-    return res
-
-
-def run_recipe(output_dir: Path, *overrides: str, nproc: int = 1, config: Path = TINY, check: bool = True,
-               timeout: float = 240, torchrun: bool = True, torchrun_args: tuple[str, ...] = (),
-               script: Path = RECIPE) -> subprocess.CompletedProcess:
-    proc = start_recipe(output_dir, *overrides, nproc=nproc, config=config, torchrun=torchrun,
-                        torchrun_args=torchrun_args, script=script)
-    return finish_recipe(proc, timeout, check)
-
-
-def run_side_by_side(runs: dict, at_once: int) -> dict[object, subprocess.CompletedProcess]:
-    """{key: (output_dir, nproc, overrides, script)} -> {key: result}, `at_once` recipe runs at a time: a
-    small run spends much of its time starting up rather than computing. Fails on the first failed run."""
-    results, running = {}, []
-    for key, (output_dir, nproc, overrides, script) in runs.items():
-        if len(running) == at_once:
-            done, proc = running.pop(0)
-            results[done] = finish_recipe(proc)
-        running.append((key, start_recipe(output_dir, *overrides, nproc=nproc, script=script)))
-    for key, proc in running:
-        results[key] = finish_recipe(proc)
-    return results
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def read_metrics(output_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def losses(output_dir: Path) -> list[float]:
-    return [r["loss"] for r in read_metrics(output_dir)]
-
-
-def losses_by_step(output_dir: Path) -> dict[int, float]:
-    """The last logged loss of each step (a restarted run logs the steps after its checkpoint again)."""
-    return {r["step"]: r["loss"] for r in read_metrics(output_dir) if "loss" in r}  # not eval records
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Runs before the test's fixtures are set up: a session fixture that launches runs is set up by the first
+    test using it, which must then be marked slow too."""
+    procs.running_slow_test = item.get_closest_marker("slow") is not None
 
 
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory) -> Path:
-    """The plainest run (one process, no wrapper, micro 4, accum 1), through EXPORT_LOGITS so its
-    export can be checked too: the losses every other configuration must match."""
+    """The plainest run of the recipe (one process, no wrapper, micro 4, accum 1): the losses every other
+    configuration must match, and its export's logits (probe.safetensors) those of every other export. Its
+    last step is checkpointed too (checkpoints/step_4), for the export to be compared with."""
     out = tmp_path_factory.mktemp("reference")
-    run_recipe(out, "parallel.strategy=none", script=EXPORT_LOGITS)
+    run_recipe(out, "parallel.strategy=none", "checkpoint.every_steps=4")
+    save_baseline(out)
     return out
 
 
@@ -152,9 +35,6 @@ def reference(reference_run) -> list[float]:
     ref = losses(reference_run)
     assert len(ref) == 4 and ref[-1] < ref[0], ref
     return ref
-
-
-TWO_RANKS = ("parallel.strategy=ddp", "train.micro_batch_size=2")  # global batch 4, as in `reference`
 
 
 @pytest.fixture(scope="session")
@@ -174,3 +54,9 @@ def single_process_group():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def base(reference_run) -> Path:
+    """The reference run's export: a tiny Llama in Hugging Face format (model.safetensors, tied embeddings)."""
+    return reference_run / "hf"

@@ -17,8 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import (RECIPE, TINY, TWO_RANKS, finish, launch, losses, losses_by_step, read_metrics, run_recipe, start,
-                      wait_for_step, worker_pids)
+from helpers import RECIPE, TINY
+from helpers.procs import (TWO_RANKS, finish, launch, losses, losses_by_step, read_metrics, run_recipe, start,
+                           wait_for_step, worker_pids)
 from llmtrain.checkpoint import check_writable, complete_checkpoints
 from llmtrain.config import ConfigError
 from llmtrain.convert import convert
@@ -81,6 +82,7 @@ def test_partial_checkpoints_are_never_loaded(tmp_path, fsdp2_run):
     assert [losses_by_step(tmp_path)[s] for s in (4, 5, 6)] == pytest.approx([full[s] for s in (4, 5, 6)], abs=TOL)
 
 
+@pytest.mark.slow
 def test_async_save_and_keep_last(tmp_path, reference):
     run_recipe(tmp_path, "checkpoint.every_steps=1", "checkpoint.async=true", "checkpoint.keep_last=2")
     assert losses(tmp_path) == pytest.approx(reference, abs=TOL)  # saving does not disturb training
@@ -94,6 +96,24 @@ def test_async_save_and_keep_last(tmp_path, reference):
         if p.is_file() and p.name not in ("manifest.json", "trainer_state.json")}  # the async save's digests too
 
 
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="llmtrain.checkpoint: an async save publishes (in a later step's poll) the "
+                   "TrainState the loop has advanced since: step_3's trainer_state.json says step 6, so the resume "
+                   "starts at step 6 on step 3's weights")
+def test_async_checkpoint_resumes_exactly(tmp_path):
+    """checkpoint.async=true (one process): the save at step 3, resumed on 2 ranks (fsdp2), gives steps 4-6 of the
+    uninterrupted run. (One process saves: on 2 ranks fsdp2 an async save aborts the run in a gloo collective
+    mismatch during the next step, seen at torch 2.13.)"""
+    run_recipe(tmp_path / "async", "checkpoint.async=true", *SIX)
+    full = losses_by_step(tmp_path / "async")
+    assert sorted(p.name for p in (tmp_path / "async" / "checkpoints").iterdir()) == ["step_3", "step_6"]
+    got = resume_from(tmp_path / "async", tmp_path / "resumed", 3, "parallel.strategy=fsdp2",
+                      "train.micro_batch_size=2", "train.max_steps=6", nproc=2)
+    assert sorted(got) == [4, 5, 6]
+    assert [got[s] for s in (4, 5, 6)] == pytest.approx([full[s] for s in (4, 5, 6)], abs=TOL)
+
+
+@pytest.mark.slow
 def test_time_based_checkpoints(tmp_path):
     """checkpoint.every_minutes alone: a timer that is always due saves after every step, on 2 ranks that
     agree on it through the per-step all-reduce."""
@@ -101,6 +121,7 @@ def test_time_based_checkpoints(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [f"step_{s}" for s in (1, 2, 3, 4)]
 
 
+@pytest.mark.slow
 def test_resume_of_a_finished_run_only_exports(tmp_path):
     run_recipe(tmp_path, *SIX)
     res = run_recipe(tmp_path, *SIX)
@@ -135,6 +156,7 @@ def test_converter_matches_the_export(tmp_path, fsdp2_run):
     assert torch.allclose(model.model.embed_tokens.weight.float(), exported["model.embed_tokens.weight"], atol=1e-2)
 
 
+@pytest.mark.slow
 def test_resume_path_must_be_a_complete_checkpoint(tmp_path):
     res = run_recipe(tmp_path, f"checkpoint.resume={tmp_path}", check=False, torchrun=False)
     assert res.returncode == 2
@@ -200,6 +222,7 @@ def test_preemption_signal_saves_and_exits_for_requeue(tmp_path, clean_40, sig):
         assert max(got) == step + 3
 
 
+@pytest.mark.slow
 def test_unwritable_output_dir_fails_before_training(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
@@ -228,6 +251,7 @@ def test_disk_full_at_save_keeps_the_previous_checkpoint(tmp_path):
         subprocess.run(["umount", str(disk)])
 
 
+@pytest.mark.slow
 def test_nan_stops_naming_the_step_or_is_skipped(tmp_path):
     blowup = ("train.lr=1e30", "train.max_grad_norm=0", "checkpoint.every_steps=1")
     res = run_recipe(tmp_path / "stop", *blowup, check=False)

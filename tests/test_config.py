@@ -9,7 +9,8 @@ import typing
 
 import pytest
 
-from conftest import RECIPE, REPO, TINY, launch
+from helpers import RECIPE, REPO, TINY
+from helpers.procs import launch
 from llmtrain.config import ConfigError, Range, describe, load_config, to_yaml
 from llmtrain.losses.preference import DPOConfig
 from llmtrain.train.recipe import Recipe
@@ -71,6 +72,7 @@ def test_every_key_is_described():
     (["parallel.strategy=fsdp2", "parallel.replicate=3"], ["parallel.replicate=3", "world size 2"]),
     (["parallel.strategy=ddp", "train.loss_impl=liger"], ["train.loss_impl=liger", "on cpu", "loss_impl=chunked"]),
 ])
+@pytest.mark.slow
 def test_cli_errors_exit_nonzero_on_every_rank(tmp_path, args, words):
     res = launch([RECIPE, "--config", TINY, f"output_dir={tmp_path}", *args], nproc=2, timeout=60)
     assert res.returncode != 0
@@ -80,6 +82,7 @@ def test_cli_errors_exit_nonzero_on_every_rank(tmp_path, args, words):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_incomplete_weights_are_named_on_every_rank(tmp_path):
     import torch
     import yaml
@@ -97,6 +100,7 @@ def test_incomplete_weights_are_named_on_every_rank(tmp_path):
         assert w in res.stderr, res.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_print_config_and_help(tmp_path):
     res = launch([RECIPE, "--config", TINY, "train.lr=5e-4", "--print-config"], torchrun=False, timeout=60)
     assert res.returncode == 0 and "lr: 0.0005" in res.stdout

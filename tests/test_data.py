@@ -9,13 +9,14 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from conftest import REPO, TINY, launch, read_metrics, run_recipe
-from llmtrain.models import attention
-from llmtrain.models import hf as model_lib
+from helpers import REPO, TINY
+from helpers.procs import launch, read_metrics, run_recipe
 from llmtrain.config import ConfigError, DataConfig, load_config
-from llmtrain.data import IGNORE, GlobalOrderSampler, StreamSteps, StreamingRows, build
+from llmtrain.data import IGNORE, GlobalOrderSampler, StreamingRows, StreamSteps, build
 from llmtrain.data.formats import BadRecord, encode_chat, encode_instruction, encode_text
 from llmtrain.data.packing import to_rows
+from llmtrain.models import attention
+from llmtrain.models import hf as model_lib
 
 TOKENIZER = REPO / "assets" / "tokenizer"
 
@@ -262,6 +263,7 @@ def test_chat_run_with_validation_logs_val_loss(tmp_path):
     assert all(5 < r["val_loss"] < 7 and r["val_ppl"] > 1 for r in vals)
 
 
+@pytest.mark.slow
 def test_inspect_cli_json(tmp_path):
     res = launch(["-m", "llmtrain.data", "--config", TINY, "--json", "--n", "2", "data.path=data/demo/instruct.jsonl",
                   "data.format=instruction", "data.seq_len=128"], torchrun=False, timeout=120)

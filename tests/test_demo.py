@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import REPO, read_metrics, run_recipe
+from helpers import REPO
+from helpers.procs import read_metrics, run_recipe
 
 
 @pytest.mark.slow

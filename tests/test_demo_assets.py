@@ -116,6 +116,7 @@ def test_preference_responses_start_on_a_token_boundary(tok):
     assert joint == apart
 
 
+@pytest.mark.slow
 def test_generator_reproduces_shipped_files(tmp_path):
     # Run as a subprocess: the script pins tokenizers to one thread before importing it.
     subprocess.run([sys.executable, str(ROOT / "scripts" / "make_demo_assets.py"), "--out", str(tmp_path)],

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from helpers import REPO
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "bench" / "README.md"]
 README_MAX_LINES = 260

@@ -18,11 +18,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import REPO, TINY, losses_by_step, read_metrics, run_recipe, run_side_by_side
+from helpers import REPO, TINY
+from helpers.procs import losses_by_step, read_metrics, run_recipe, run_side_by_side
 from llmtrain import data
 from llmtrain.config import DataConfig
 from llmtrain.models.hf import load_tokenizer
-from test_lora import base  # noqa: F401  (the session fixture: the reference run's export)
 
 DPO = REPO / "recipes" / "dpo.py"
 PAIRS = REPO / "data" / "demo" / "preference.jsonl"
@@ -45,7 +45,7 @@ def dpo_args(base: Path, *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def lora_init(tmp_path_factory, base) -> Path:  # noqa: F811
+def lora_init(tmp_path_factory, base) -> Path:
     """A PEFT adapter with random (non-zero) A and B, so that the policy differs from the reference at step 1."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -68,7 +68,7 @@ def val_pairs(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def dpo_runs(tmp_path_factory, base, lora_init, val_pairs) -> dict[str, Path]:  # noqa: F811
+def dpo_runs(tmp_path_factory, base, lora_init, val_pairs) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("dpo")
     # A copy of the pairs has a datasets cache of its own: the precomputed reference log-probs start absent.
     pairs = shutil.copy(PAIRS, root / "pairs.jsonl")
@@ -133,7 +133,7 @@ def expected(loss: str, policy, reference, batch, beta: float, smoothing: float 
 
 
 @pytest.mark.slow
-def test_dpo_step_one_equals_the_formulas(dpo_runs, base, lora_init):  # noqa: F811
+def test_dpo_step_one_equals_the_formulas(dpo_runs, base, lora_init):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -197,7 +197,7 @@ def test_frozen_copy_gives_every_gathered_unit_back_after_forward(single_process
 
 
 @pytest.mark.slow
-def test_dpo_eval_is_the_training_formula_on_the_val_pairs_on_any_ranks(dpo_runs, base, val_pairs):  # noqa: F811
+def test_dpo_eval_is_the_training_formula_on_the_val_pairs_on_any_ranks(dpo_runs, base, val_pairs):
     """eval.every_steps: val_loss and val_* (TRL's names) at the last step equal the formulas on all 5 val pairs
     with the trained weights (the export), and 2 ranks (uneven, with a filler batch) log what 1 logs."""
     from transformers import AutoModelForCausalLM
@@ -218,7 +218,7 @@ def test_dpo_eval_is_the_training_formula_on_the_val_pairs_on_any_ranks(dpo_runs
 
 
 @pytest.mark.slow
-def test_dpo_resumes_exactly_elsewhere_and_exports(tmp_path, dpo_runs, base):  # noqa: F811
+def test_dpo_resumes_exactly_elsewhere_and_exports(tmp_path, dpo_runs, base):
     """From one process at step 2 to fsdp2 on 2 ranks: step 3 as uninterrupted (the reference rebuilt from
     model.path, the policy from the checkpoint); the export loads in transformers as the trained model."""
     from transformers import AutoModelForCausalLM
@@ -253,7 +253,7 @@ def test_dpo_precomputed_reference_equals_the_live_one(dpo_runs):
 
 
 @pytest.mark.slow
-def test_dpo_precomputed_reference_is_reused_and_a_damaged_piece_recomputed(tmp_path, dpo_runs, base,  # noqa: F811
+def test_dpo_precomputed_reference_is_reused_and_a_damaged_piece_recomputed(tmp_path, dpo_runs, base,
                                                                           lora_init):
     """One process reads the cache the fsdp2 run filled: a torn piece is computed again (not read), the others
     are reused, and the losses are the live reference's; then a run finds the cache whole and builds no reference,
@@ -279,7 +279,8 @@ def test_dpo_precomputed_reference_is_reused_and_a_damaged_piece_recomputed(tmp_
     assert_same_metrics(tmp_path / "lora", dpo_runs["lora_ipo"], steps=1)
 
 
-def test_dpo_bad_settings_name_the_key(tmp_path, base):  # noqa: F811
+@pytest.mark.slow
+def test_dpo_bad_settings_name_the_key(tmp_path, base):
     cases = {("data.format=text",): "data.format=preference", ("train.loss_impl=liger",): "train.loss_impl",
              ("model.path=outputs/nowhere/hf",): "recipes/finetune.py --config configs/demo.yaml",
              ("dpo.loss=simpo", PRECOMPUTE): "dpo.precompute_reference: dpo.loss=simpo uses no reference model",

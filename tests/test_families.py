@@ -1,4 +1,4 @@
-"""Every supported family (tests/families.py: Llama untied and tied, Mistral, Qwen2, Qwen3, Gemma2, Gemma3 text,
+"""Every supported family (tests/helpers/families.py: Llama untied and tied, Mistral, Qwen2, Qwen3, Gemma2, Gemma3 text,
 Phi3) loads as from_pretrained does, trains alike under ddp/fsdp/fsdp2, exports the logits it computes, and
 masks its own chat template; encoders and headless models are refused at start."""
 
@@ -9,13 +9,14 @@ import json
 import pytest
 from transformers import AutoTokenizer, BertConfig, BertForMaskedLM, LlamaConfig, LlamaModel, Qwen3Config
 
-from conftest import EXPORT_LOGITS, REPO, TINY, launch, losses, read_metrics, run_side_by_side
-from families import FAMILIES, SHAPE, make_family
+from helpers import RECIPE, REPO, TINY
+from helpers.export import assert_export_matches, save_baseline
+from helpers.families import FAMILIES, SHAPE, make_family
+from helpers.procs import launch, losses, read_metrics, run_side_by_side
 from llmtrain import metrics as metrics_lib
-from llmtrain.models import hf as model_lib
 from llmtrain.config import ConfigError, DataConfig, ModelConfig
 from llmtrain.data.formats import IGNORE, BadRecord, encode_chat
-from test_export import assert_export_matches
+from llmtrain.models import hf as model_lib
 
 MATRIX = REPO / "tests" / "scripts" / "family_matrix.py"
 TOL = 2e-5
@@ -128,6 +129,7 @@ def test_flops_count_attention_width_and_tied_embeddings_once():
     assert qwen3 == 6 * 131_520 + 12 * 2 * 128 * seq == 985_728  # d_attn = 4 heads x 32 = 128, not hidden 64
 
 
+@pytest.mark.slow
 def test_encoders_and_headless_models_are_refused_at_start(tmp_path):
     small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, vocab_size=512)
     BertForMaskedLM(BertConfig(**small)).save_pretrained(tmp_path / "bert")
@@ -149,12 +151,11 @@ def test_encoders_and_headless_models_are_refused_at_start(tmp_path):
 @pytest.mark.slow
 def test_gemma2_recipe_picks_eager_and_trains_alike_on_one_and_two_ranks(tmp_path, family_dirs):
     """The recipe end to end on a family that needed both fixes (embed_scale, no sdpa), on chat data whose
-    system messages Gemma2's template refuses: 1 process vs fsdp2 on 2, then the export."""
+    system messages Gemma2's template refuses: 1 process vs fsdp2 on 2, then their exports."""
     common = [f"model.path={family_dirs['gemma2']}", "model.config=null", "tokenizer.path=null",
               f"data.path={REPO / 'data' / 'demo' / 'chat.jsonl'}", "data.format=chat"]
-    runs = {"one": (tmp_path / "one", 1, [*common, "parallel.strategy=none"], EXPORT_LOGITS),
-            "two": (tmp_path / "two", 2, [*common, "parallel.strategy=fsdp2", "train.micro_batch_size=2"],
-                    EXPORT_LOGITS)}
+    runs = {"one": (tmp_path / "one", 1, [*common, "parallel.strategy=none"], RECIPE),
+            "two": (tmp_path / "two", 2, [*common, "parallel.strategy=fsdp2", "train.micro_batch_size=2"], RECIPE)}
     results = run_side_by_side(runs, at_once=2)
     one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert len(one) == 4 and one[-1] < one[0], one
@@ -165,4 +166,4 @@ def test_gemma2_recipe_picks_eager_and_trains_alike_on_one_and_two_ranks(tmp_pat
     # Gemma2's template has no system role: those conversations are bad records, skipped and counted
     assert "the chat template refuses this conversation: System role not supported" in log, log[-3000:]
     assert read_metrics(tmp_path / "two")[0]["trained_tokens"] > 0
-    assert_export_matches(tmp_path / "two")
+    assert_export_matches(tmp_path / "two", save_baseline(tmp_path / "one"))  # 2 ranks' export: 1 process's logits

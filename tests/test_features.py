@@ -10,7 +10,8 @@ import shutil
 import pytest
 from safetensors.torch import load_file
 
-from conftest import REPO, launch, losses, run_recipe
+from helpers import REPO
+from helpers.procs import launch, losses, run_recipe
 
 TOL = 2e-5
 # Options that must not change the math, combined where they are independent.
@@ -37,6 +38,7 @@ def test_option_keeps_losses_exact(tmp_path, reference, name):
         assert "strategy ddp (auto:" in res.stdout  # a tiny model fits: auto picks DDP and says why
 
 
+@pytest.mark.slow
 def test_plain_python_without_torchrun_is_the_same_run(tmp_path, reference):
     run_recipe(tmp_path, "parallel.strategy=none", torchrun=False)
     assert losses(tmp_path) == pytest.approx(reference, abs=TOL)

@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import default_collate
 from transformers import AutoTokenizer
 
-from conftest import REPO
+from helpers import REPO
 from llmtrain.config import ConfigError, DataConfig, SourceConfig
 from llmtrain.data import FORMATS, IGNORE, build, check, formats_used, rows_kind
 

@@ -13,10 +13,11 @@ import pytest
 import yaml
 from transformers import AutoTokenizer, GPT2Config, LlamaConfig, LlamaForCausalLM
 
-from conftest import REPO, TINY, finish, start
-from llmtrain.models import hf as model_lib
+from helpers import REPO, TINY
+from helpers.procs import finish, start
 from llmtrain.config import ConfigError, DataConfig, ModelConfig
 from llmtrain.data import MapSteps, StreamingRows, build, check
+from llmtrain.models import hf as model_lib
 
 TOKENIZER = REPO / "assets" / "tokenizer"
 GOOD = "".join(json.dumps({"text": f"the red ball number {i}"}) + "\n" for i in range(100))

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, RECIPE, REPO, TINY, TWO_RANKS, finish, free_port, losses, start
+from helpers import RECIPE, REPO, TINY
+from helpers.procs import BIN, TWO_RANKS, finish, free_port, losses, start
 from llmtrain.config import ConfigError, ParallelConfig
 from llmtrain.launch import check_accelerate
 

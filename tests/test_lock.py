@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from conftest import RECIPE, TINY, finish, read_metrics, run_recipe, start, wait_for_step
+from helpers import RECIPE, TINY
+from helpers.procs import finish, read_metrics, run_recipe, start, wait_for_step
 from llmtrain import lock as lock_lib
 from llmtrain.lock import LOCK_FILE, STALE_S, OutputDirLock
 

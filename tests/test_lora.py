@@ -19,28 +19,23 @@ from peft import PeftModel, get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from conftest import EXPORT_LOGITS, RECIPE, TINY, launch, losses, losses_by_step, run_recipe, run_side_by_side
+from helpers import RECIPE, TINY
+from helpers.export import assert_export_matches, save_baseline
+from helpers.procs import launch, losses, losses_by_step, run_recipe, run_side_by_side
 from llmtrain import metrics
-from llmtrain.models import lora, names
 from llmtrain.config import ConfigError, load_config
+from llmtrain.models import lora, names
 from llmtrain.models.hf import build_meta_model, load_model_config, load_tokenizer
-from test_export import assert_export_matches
 
 TOL = 2e-5
-SPLITS = {  # name: (ranks, micro, accum, overrides, script); global batch 4 rows in each
-    "none": (1, 4, 1, ("parallel.strategy=none", "checkpoint.every_steps=2"), EXPORT_LOGITS),
-    "auto": (2, 1, 2, ("parallel.strategy=auto",), RECIPE),  # a tiny base: auto picks ddp
-    "fsdp": (2, 2, 1, ("parallel.strategy=fsdp", "checkpoint.every_steps=2", "checkpoint.export_every_steps=2"),
-             EXPORT_LOGITS),
-    "fsdp2_ac": (2, 1, 2, ("parallel.strategy=fsdp2", "parallel.activation_checkpointing=true"), EXPORT_LOGITS),
-    "hsdp": (2, 2, 1, ("parallel.strategy=fsdp2", "parallel.replicate=2"), RECIPE),  # 2 replicas x 1 shard
+SPLITS = {  # name: (ranks, micro, accum, overrides); global batch 4 rows in each
+    "none": (1, 4, 1, ("parallel.strategy=none", "checkpoint.every_steps=2")),
+    "auto": (2, 1, 2, ("parallel.strategy=auto",)),  # a tiny base: auto picks ddp
+    "fsdp": (2, 2, 1, ("parallel.strategy=fsdp", "checkpoint.every_steps=2", "checkpoint.export_every_steps=2")),
+    "fsdp2_ac": (2, 1, 2, ("parallel.strategy=fsdp2", "parallel.activation_checkpointing=true",
+                           "checkpoint.every_steps=2")),
+    "hsdp": (2, 2, 1, ("parallel.strategy=fsdp2", "parallel.replicate=2")),  # 2 replicas x 1 shard
 }
-
-
-@pytest.fixture(scope="session")
-def base(reference_run) -> Path:
-    """The reference run's export: a tiny Llama in Hugging Face format (model.safetensors, tied embeddings)."""
-    return reference_run / "hf"
 
 
 def lora_args(base: Path, *extra: str) -> list[str]:
@@ -57,16 +52,18 @@ BF16_BASE = ("lora.base_dtype=bf16", "parallel.mixed_precision=bf16", "parallel.
 
 @pytest.fixture(scope="session")
 def lora_runs(tmp_path_factory, base) -> dict[str, Path]:
-    """The SPLITS, and a run that also trains the final norm (modules_to_save), side by side."""
+    """The SPLITS, and a run that also trains the final norm (modules_to_save), side by side. The one-process
+    run's export gives the baseline logits (none/probe.safetensors) for the other runs' exports."""
     root = tmp_path_factory.mktemp("lora")
     runs = {name: (root / name, ranks, lora_args(base, f"train.micro_batch_size={micro}",
-                                                 f"train.grad_accum_steps={accum}", *extra), script)
-            for name, (ranks, micro, accum, extra, script) in SPLITS.items()}
-    runs["modules_to_save"] = (root / "modules_to_save", 2, lora_args(base, *MODULES_TO_SAVE), EXPORT_LOGITS)
+                                                 f"train.grad_accum_steps={accum}", *extra), RECIPE)
+            for name, (ranks, micro, accum, extra) in SPLITS.items()}
+    runs["modules_to_save"] = (root / "modules_to_save", 2, lora_args(base, *MODULES_TO_SAVE), RECIPE)
     runs["bf16_base"] = (root / "bf16_base", 2, lora_args(base, *BF16_BASE), RECIPE)
     results = run_side_by_side(runs, at_once=len(runs))
     for name, (out, *_) in runs.items():
         (out / "stdout.txt").write_text(results[name].stdout)
+    save_baseline(root / "none")
     return {name: out for name, (out, *_) in runs.items()}
 
 
@@ -107,25 +104,31 @@ def test_lora_mfu_counts_weight_gradients_of_the_trained_parameters_only(lora_ru
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["none", "fsdp", "fsdp2_ac"])
 def test_lora_base_unchanged_and_exports_give_trained_logits(lora_runs, base, name):
-    """Weight decay is 1.0 (tests/tiny.yaml): a frozen weight in the optimizer would move."""
+    """Weight decay is 1.0 (tests/tiny.yaml): a frozen weight in the optimizer would move. The merged export is
+    the base, bit for bit where no adapter is, and base + (alpha / r) B @ A of the exported adapter where one is."""
     out = lora_runs[name]
-    trained, original = load_file(out / "frozen.safetensors"), load_file(base / "model.safetensors")
-    for key, tensor in original.items():
-        assert torch.equal(trained[key], tensor), f"frozen {key} changed"
+    merged, original = load_file(out / "hf" / "model.safetensors"), load_file(base / "model.safetensors")
     adapter = load_file(out / "adapter" / "adapter_model.safetensors")
     assert len(adapter) == 2 * 7 * 2  # lora_A and lora_B of 7 linear layers x 2 decoder layers: complete
     assert all(t.abs().sum() > 0 for k, t in adapter.items() if "lora_B" in k)  # started at zero, trained
-    # At the optimizer step: gradients for trained parameters only (FSDP1 use_orig_params: a rank's empty shard of
-    # one has none), every one on some rank; the optimizer holds exactly the trained parameters.
-    ranks = [json.loads(f.read_text()) for f in sorted(out.glob("grads_rank*.json"))]
-    assert len(ranks) == (1 if name == "none" else 2)
-    trained = set(ranks[0]["trained"])
-    assert all(names.is_adapter(k) for k in trained) and len(trained) == len(adapter)
-    for rank in ranks:
-        assert set(rank["with_grad"]) <= trained and rank["optimizer_holds_trained"], rank
-    assert set().union(*(r["with_grad"] for r in ranks)) == trained
+    assert merged.keys() == original.keys()
+    adapted = {k.removeprefix("base_model.model.").replace(".lora_A", ""): (v, adapter[k.replace("lora_A", "lora_B")])
+               for k, v in adapter.items() if ".lora_A." in k}
+    for key, tensor in original.items():
+        if key in adapted:
+            a, b = adapted[key]
+            torch.testing.assert_close(merged[key], tensor + (8 / 4) * b @ a, rtol=0, atol=1e-6, msg=key)
+        else:
+            assert torch.equal(merged[key], tensor), f"frozen {key} changed"
+    # The optimizer's state (checkpoints/step_4): exactly the trained parameters, the adapters. AdamW makes a
+    # parameter's state at its first gradient: every adapter had one, no frozen weight was in the optimizer with one.
+    saved = dcp.FileSystemReader(str(out / "checkpoints" / "step_4")).read_metadata().state_dict_metadata
+    trained = {k.removeprefix("model.") for k in saved if k.startswith("model.")}
+    optimized = {k.removeprefix("optim.state.").rsplit(".", 1)[0] for k in saved if k.startswith("optim.state.")}
+    assert all(names.is_adapter(k) for k in trained) and len(trained) == len(adapter), sorted(trained)[:4]
+    assert optimized == trained, sorted(optimized ^ trained)[:4]
     if name != "none":  # the sharded ones: merged in output_dir/hf and base + adapter via PEFT
-        assert_export_matches(out, lora_base=base)
+        assert_export_matches(out, lora_runs["none"] / "probe.safetensors", lora_base=base)
 
 
 @pytest.mark.slow
@@ -150,6 +153,7 @@ def test_lora_checkpoint_holds_adapters_and_resumes_exactly_elsewhere(tmp_path, 
         assert [got[s] for s in (3, 4)] == pytest.approx([full[3], full[4]], abs=TOL), strategy
 
 
+@pytest.mark.slow
 def test_lora_resume_refuses_another_base_or_lora_off(tmp_path, lora_runs, base):
     ckpt = lora_runs["none"] / "checkpoints" / "step_2"
     other = tmp_path / "other"
@@ -166,20 +170,24 @@ def test_lora_resume_refuses_another_base_or_lora_off(tmp_path, lora_runs, base)
 @pytest.mark.slow
 def test_lora_modules_to_save_and_init_from_round_trip(tmp_path, lora_runs, base):
     """Adapters + the final norm trained on 2 ranks (fsdp2) export completely; a run continuing from that
-    adapter directory (one process, a negligible lr) gives the first one's logits."""
+    adapter directory (one process, a negligible lr) gives the first one's logits (its adapter on the base)."""
     first, second = lora_runs["modules_to_save"], tmp_path / "second"
     adapter = load_file(first / "adapter" / "adapter_model.safetensors")
     assert not torch.equal(adapter["base_model.model.model.norm.weight"],
                            load_file(base / "model.safetensors")["model.norm.weight"])  # trained
-    assert_export_matches(first, lora_base=base)
+    baseline = save_baseline(first)  # the merged export's logits
+    assert_export_matches(first, baseline, lora_base=base)
     run_recipe(second, *lora_args(base, *MODULES_TO_SAVE[:1], f"lora.init_from={first / 'adapter'}",
-                                  "train.lr=1e-30", "train.max_steps=1", "lora.export=adapter"),
-               script=EXPORT_LOGITS, torchrun=False)
+                                  "train.lr=1e-30", "train.max_steps=1", "lora.export=adapter"), torchrun=False)
     assert not (second / "hf").exists() and (second / "adapter").is_dir()
-    diff = load_file(second / "probe.safetensors")["logits"] - load_file(first / "probe.safetensors")["logits"]
+    probe = load_file(baseline)
+    with torch.no_grad():
+        continued = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), second / "adapter")
+        diff = continued(input_ids=probe["input_ids"]).logits - probe["logits"]
     assert diff.abs().max() < 1e-5
 
 
+@pytest.mark.slow
 def test_lora_bad_settings_name_the_key(tmp_path, base):
     def load(*overrides):
         return load_config(TINY, lora_args(base, *overrides))
@@ -229,7 +237,7 @@ def test_lora_periodic_exports_match_the_converter_and_the_final_export(tmp_path
             assert got.keys() == want.keys(), sub
             for key, tensor in want.items():
                 assert torch.equal(got[key], tensor), (sub, key)
-    probe = load_file(run / "probe.safetensors")
+    probe = load_file(lora_runs["none"] / "probe.safetensors")  # the final model's logits (baseline)
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), run / "adapter" / "step_2")
     assert get_peft_model_state_dict(adapted).keys() == load_file(run / "adapter" / "step_2" / lora.ADAPTER_WEIGHTS
                                                                   ).keys()  # none missing or unexpected

@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, CohereConfig, Gemma2Config, LlamaConfig
 
-from conftest import losses, run_side_by_side, RECIPE
+from helpers import RECIPE
+from helpers.procs import losses, run_side_by_side
 from llmtrain.config import ConfigError
 from llmtrain.data.formats import IGNORE
 from llmtrain.losses.token import TokenLoss, check, token_logps, token_loss_sum
@@ -123,11 +124,11 @@ def test_liger_needs_cuda():
 def test_chunked_under_fsdp_matches_reference(tmp_path, reference):
     """Many chunks per micro-batch under FSDP1 and FSDP2 (the output layer in the root unit), and the full
     path through the recipe, against the reference run (chunked by default, one process)."""
-    runs = {name: (tmp_path / name, nproc, [*overrides, "train.micro_batch_size=2"], RECIPE) for name, nproc, overrides in [
-        ("fsdp", 2, ["parallel.strategy=fsdp", "train.loss_chunk_tokens=16"]),
-        ("fsdp2", 2, ["parallel.strategy=fsdp2", "train.loss_chunk_tokens=16"]),
-        ("full", 1, ["parallel.strategy=none", "train.loss_impl=full", "train.grad_accum_steps=2"]),
-    ]}
+    splits = [("fsdp", 2, ["parallel.strategy=fsdp", "train.loss_chunk_tokens=16"]),
+              ("fsdp2", 2, ["parallel.strategy=fsdp2", "train.loss_chunk_tokens=16"]),
+              ("full", 1, ["parallel.strategy=none", "train.loss_impl=full", "train.grad_accum_steps=2"])]
+    runs = {name: (tmp_path / name, nproc, [*overrides, "train.micro_batch_size=2"], RECIPE)
+            for name, nproc, overrides in splits}
     results = run_side_by_side(runs, at_once=len(runs))
     for name in runs:
         assert losses(tmp_path / name) == pytest.approx(reference, abs=2e-5), name

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import BIN, RECIPE, REPO, TINY, finish, launch, read_metrics, run_recipe, start
+from helpers import RECIPE, REPO, TINY
+from helpers.procs import BIN, finish, launch, read_metrics, run_recipe, start
 from llmtrain import metrics as m
 from llmtrain.config import Config, ConfigError, describe, load_config, to_yaml
 from llmtrain.losses.preference import DPOConfig
@@ -133,10 +134,12 @@ def test_log_section_keys_nest_and_round_trip(tmp_path):
         assert rows[key][3], key  # every key has a description for --help-config
 
 
+@pytest.mark.slow
 def test_help_explains_usage():
     text = subprocess.run([sys.executable, RECIPE, "--help"], capture_output=True, text=True, check=True).stdout
     for words in ("torchrun --nproc_per_node=N recipes/finetune.py --config", "--help-config", "--print-config",
-                  "metrics.jsonl", "python -m llmtrain.plot", "python -m llmtrain.generate", "python -m llmtrain.convert"):
+                  "metrics.jsonl", "python -m llmtrain.plot", "python -m llmtrain.generate",
+                  "python -m llmtrain.convert"):
         assert words in text, words
     lines = subprocess.run([sys.executable, RECIPE, "--help-config"], capture_output=True, text=True,
                            check=True).stdout.splitlines()
@@ -145,7 +148,8 @@ def test_help_explains_usage():
 
 def _config_files() -> list[Path]:
     return sorted(p for p in (REPO / "configs").rglob("*")
-                  if p.suffix in (".yaml", ".yml") and not NOT_LLMTRAIN_CONFIG_DIRS & set(p.relative_to(REPO / "configs").parts))
+                  if p.suffix in (".yaml", ".yml")
+                  and not NOT_LLMTRAIN_CONFIG_DIRS & set(p.relative_to(REPO / "configs").parts))
 
 
 def test_configs_cover_the_use_cases():

@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from conftest import REPO
-from llmtrain.losses import preference as pl
+from helpers import REPO
 from llmtrain.config import ConfigError, DataConfig
 from llmtrain.data.formats import DEFAULT_CHAT_TEMPLATE, IGNORE, BadRecord, prepare_tokenizer
 from llmtrain.data.preference import Pair, collate_pairs, encode_preference, truncate
+from llmtrain.losses import preference as pl
 
 TOKENIZER = REPO / "assets" / "tokenizer"
 BOS, EOS, EOT = 0, 1, 5
@@ -136,7 +136,7 @@ def test_collate_puts_chosen_rows_then_rejected_rows():
     P = 2
     assert batch["input_ids"].tolist() == [[BOS, 10, 11, 12, 13, P], [BOS, 20, 21, 22, 23, P],
                                            [BOS, 10, 14, P, P, P], [BOS, 20, 21, 22, 24, 25]]
-    I = IGNORE
+    I = IGNORE  # noqa: E741  (one letter keeps the label grid below aligned)
     assert batch["labels"].tolist() == [[I, I, 11, 12, 13, I], [I, I, I, I, 23, I],
                                         [I, I, 14, I, I, I], [I, I, I, I, 24, 25]]
     assert batch["position_ids"].tolist() == [list(range(6))] * 4

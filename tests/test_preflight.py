@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from conftest import REPO, RECIPE, TINY, finish, free_port, start
+from helpers import RECIPE, REPO, TINY
+from helpers.procs import finish, free_port, start
 from llmtrain.distributed import compact_ranks
 from llmtrain.preflight import find_problems
 

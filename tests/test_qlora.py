@@ -181,7 +181,7 @@ def test_setup_errors_name_the_key_and_the_fix(monkeypatch):
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> dict:
-    from conftest import launch
+    from helpers.procs import launch
 
     out = tmp_path_factory.mktemp("qlora") / "two_ranks.pt"
     proc = launch([Path(__file__), out], nproc=2, timeout=400)
@@ -243,7 +243,7 @@ BIG = dict(MODEL, hidden_size=1024, intermediate_size=2816, num_attention_heads=
 def test_quantizing_after_loading_does_not_raise_the_host_peak(tmp_path):
     """One process each (ru_maxrss is per process): building the QLoRA model peaks no higher than building
     the LoRA one, and afterwards holds the bytes NF4 saved less."""
-    from conftest import launch
+    from helpers.procs import launch
 
     seen = {}
     for mode in ("none", "nf4"):

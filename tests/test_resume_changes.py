@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from conftest import REPO, run_recipe
+from helpers import REPO
+from helpers.procs import run_recipe
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import RECIPE, TINY, TWO_RANKS, finish, losses, losses_by_step, start
+from helpers import RECIPE, TINY
+from helpers.procs import TWO_RANKS, finish, losses, losses_by_step, start
 from llmtrain.checkpoint import complete_checkpoints
 from llmtrain.distributed import PREEMPTED_EXIT_CODE
 

@@ -2,7 +2,7 @@
 (models.build.build_model -> the micro-batch accumulation -> export_hf), measured against
 transformers' from_pretrained of the same directory. Rank 0 writes the numbers as JSON for
 tests/test_families.py to assert on.  Usage: torchrun --nproc_per_node=2 family_matrix.py ROOT OUT.json
-(ROOT/<family> are directories made by tests/families.py)."""
+(ROOT/<family> are directories made by tests/helpers/families.py)."""
 
 import json
 import sys
@@ -15,7 +15,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from families import FAMILIES  # noqa: E402
+from helpers.families import FAMILIES  # noqa: E402
 from llmtrain import distributed, export, optim, parallelize  # noqa: E402
 from llmtrain.config import DistributedConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from llmtrain.data.formats import IGNORE  # noqa: E402

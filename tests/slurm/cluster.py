@@ -293,7 +293,8 @@ class SlurmCluster:
             if ids:
                 self._run(["scancel", *ids], timeout=10)
                 deadline = time.monotonic() + 10
-                while time.monotonic() < deadline and self._run(["squeue", "-h", "-o", "%A"], timeout=10).stdout.strip():
+                while (time.monotonic() < deadline
+                       and self._run(["squeue", "-h", "-o", "%A"], timeout=10).stdout.strip()):
                     time.sleep(0.2)
         # slurmd first, munged last (the others need it to say goodbye)
         for group in ([f"slurmd-{n}" for n in self.nodes], ["slurmctld"], ["munged"]):

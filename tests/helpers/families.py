@@ -10,7 +10,7 @@ import torch
 from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma2Config, Gemma3TextConfig, LlamaConfig,
                           MistralConfig, Phi3Config, Qwen2Config, Qwen3Config)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # The families' published templates (tool and reasoning branches left out). Gemma has no system role:
 # Gemma3's merges a system message into the first user turn, Gemma2's (like Mistral's) refuses it.
@@ -55,7 +55,8 @@ MISTRAL = ("{{ bos_token }}{% for message in messages %}{% if (message['role'] =
 CHAT = {  # family -> (template, its special tokens); None: the bundled Llama-3-style template
     "llama": (None, []), "llama_tied": (None, []),
     "mistral": (MISTRAL, []),
-    "qwen2": (CHATML, ["<|im_start|>", "<|im_end|>"]), "qwen3": (QWEN3, ["<|im_start|>", "<|im_end|>", "<think>", "</think>"]),
+    "qwen2": (CHATML, ["<|im_start|>", "<|im_end|>"]),
+    "qwen3": (QWEN3, ["<|im_start|>", "<|im_end|>", "<think>", "</think>"]),
     "gemma2": (GEMMA2, ["<start_of_turn>", "<end_of_turn>"]), "gemma3": (GEMMA3, ["<start_of_turn>", "<end_of_turn>"]),
     "phi3": (PHI3, ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]),
 }

@@ -1,0 +1,8 @@
+"""What the tests share besides fixtures (those live in tests/conftest.py): process launches (procs), the
+export check (export) and the tiny model families (families). Test modules import these, never each other."""
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = REPO / "recipes" / "finetune.py"
+TINY = REPO / "tests" / "tiny.yaml"
