@@ -16,6 +16,7 @@ Layout of output_dir/checkpoints/step_<N>/ (complete once renamed from step_<N>.
 from __future__ import annotations
 
 import base64
+import copy
 import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -255,6 +256,10 @@ class CheckpointManager:
         self.config_yaml, self.model_config, self.tokenizer = config_yaml, model_config, tokenizer
         self.pending = None  # (future of this rank's file digests, tmp dir, final dir, state) of an async save
         self.hasher = ThreadPoolExecutor(max_workers=1)  # async saves: the digests are taken off the training thread
+        # An async save finishes its collectives in a background thread: on the training group they would
+        # interleave with the step's own (gloo: a collective mismatch, seen at torch 2.13). It gets a group of its
+        # own (gloo: the state it writes is on the CPU), made by every rank here.
+        self.save_group = dist.new_group(backend="gloo") if section.async_ else None
         self.last_save = time.monotonic()
         self.registered: dict[str, tuple[Stateful, bool]] = {}
 
@@ -307,9 +312,10 @@ class CheckpointManager:
             (tmp / f"rng_rank{self.rank}.json").write_text(json.dumps(_rng_state()))
             self._write_registered(tmp)
             if self.section.async_:
-                future = dcp.async_save(self._tensors(), checkpoint_id=str(tmp))
+                future = dcp.async_save(self._tensors(), checkpoint_id=str(tmp), process_group=self.save_group)
                 hashed = self.hasher.submit(lambda: (future.result(), digests(tmp, own_files(tmp, self.rank)))[1])
-                self.pending = (hashed, tmp, final, state)
+                # The loop advances `state` before this save is published: publish the state it saved.
+                self.pending = (hashed, tmp, final, copy.deepcopy(state))
             else:
                 dcp.save(self._tensors(), checkpoint_id=str(tmp))
                 self._publish(tmp, final, state, digests(tmp, own_files(tmp, self.rank)))

@@ -64,7 +64,8 @@ class ModelConfig:
     trust_remote_code: bool = False
     """Allow model code from the model directory (only for models you trust)."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flex_attention"] = "sdpa"
-    """Attention kernel passed to transformers (sdpa: packed rows skip the masked half; llmtrain/models/attention.py); a family without it (Gemma2: no sdpa) gets eager, logged."""
+    """Attention kernel passed to transformers (sdpa: packed rows skip the masked half;
+    llmtrain/models/attention.py); a family without it (Gemma2: no sdpa) gets eager, logged."""
 
 
 @dataclass

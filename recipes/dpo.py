@@ -14,16 +14,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout, installed or not
 
-import torch  # noqa: E402  (after the path line above)
+import torch
 
-from llmtrain import data, distributed, reference_cache  # noqa: E402
-from llmtrain.config import ConfigError  # noqa: E402
-from llmtrain.losses import preference as pl  # noqa: E402
-from llmtrain.losses.preference import DPOConfig  # noqa: E402
-from llmtrain.models import hf as model_lib  # noqa: E402
-from llmtrain.train.build import base_identity, reference  # noqa: E402
-from llmtrain.train.recipe import Recipe  # noqa: E402
-from llmtrain.train.step import Share  # noqa: E402
+from llmtrain import data, distributed, reference_cache
+from llmtrain.config import ConfigError
+from llmtrain.losses import preference as pl
+from llmtrain.losses.preference import DPOConfig
+from llmtrain.models import hf as model_lib
+from llmtrain.train.build import base_identity, reference
+from llmtrain.train.recipe import Recipe
+from llmtrain.train.step import Share
 
 USAGE = """\
 Preference tuning (DPO / IPO / SimPO) with DDP, FSDP or FSDP2 on GPUs (NCCL) or CPUs (gloo).

@@ -15,10 +15,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout, installed or not
 
-from llmtrain import data, distributed  # noqa: E402  (after the path line above)
-from llmtrain.losses import token as loss_lib  # noqa: E402
-from llmtrain.train.recipe import Recipe  # noqa: E402
-from llmtrain.train.step import TokenObjective  # noqa: E402
+from llmtrain import data, distributed
+from llmtrain.losses import token as loss_lib
+from llmtrain.train.recipe import Recipe
+from llmtrain.train.step import TokenObjective
 
 USAGE = """\
 Fine-tune a Llama-style causal LM with DDP, FSDP or FSDP2 on GPUs (NCCL) or CPUs (gloo).

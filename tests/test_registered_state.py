@@ -29,9 +29,9 @@ class Counter:
 def manager(out, model, opt) -> checkpoint.CheckpointManager:
     from transformers import LlamaConfig
 
-    return checkpoint.CheckpointManager(CheckpointConfig(every_steps=1), str(out), model, opt, 0, "x: 1\n",
-                                        LlamaConfig(vocab_size=8, hidden_size=4, num_attention_heads=1), load_tokenizer("assets/tokenizer",
-                                                                                                 False))
+    config = LlamaConfig(vocab_size=8, hidden_size=4, num_attention_heads=1)
+    return checkpoint.CheckpointManager(CheckpointConfig(every_steps=1), str(out), model, opt, 0, "x: 1\n", config,
+                                        load_tokenizer("assets/tokenizer", False))
 
 
 def test_registered_state_is_saved_verified_and_resumed(tmp_path, single_process_group, monkeypatch):

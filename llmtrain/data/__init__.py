@@ -157,7 +157,8 @@ def _examples(path: str, fmt: str, key: str, section: DataConfig, tokenizer, sta
         first = next((i for i, (t, e) in enumerate(zip(ds["truncated"], errors)) if t and not e), None)
         stats.first_truncated = "" if first is None else _where(first, ds, parts)
     ds = ds.remove_columns("where")
-    return ds.filter(lambda e: not e, input_columns="error").remove_columns("error") if bad else ds.remove_columns("error")
+    kept = ds.filter(lambda e: not e, input_columns="error") if bad else ds
+    return kept.remove_columns("error")
 
 
 def _pack_batch(batch: dict, seq_len: int, pad_id: int, packing: bool) -> dict:

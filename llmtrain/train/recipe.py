@@ -38,10 +38,10 @@ class Recipe:
     def check_data(self, cfg: Config) -> None:
         kind = data.rows_kind(cfg.data).name
         if kind != self.rows:
-            fitting = sorted(n for n, f in data.FORMATS.items() if f.rows.name == self.rows)
+            fitting = " or ".join(f"data.format={n}" for n, f in data.FORMATS.items() if f.rows.name == self.rows)
             raise ConfigError(f"data.format: {', '.join(sorted(data.formats_used(cfg.data)))} gives {kind} rows but "
-                              f"this recipe trains on {self.rows}: set {' or '.join(f'data.format={f}' for f in fitting)}"
-                              " (recipes/finetune.py trains on token rows, recipes/dpo.py on pairs)")
+                              f"this recipe trains on {self.rows}: set {fitting} (recipes/finetune.py trains on "
+                              "token rows, recipes/dpo.py on pairs)")
 
     # -- once the process group exists -------------------------------------------------------------
     def registered(self, cfg: Config) -> list[Registered]:
