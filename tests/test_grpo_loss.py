@@ -36,7 +36,7 @@ def inputs(seed: int = 0):
     return logps, mask, old, ref, adv
 
 
-def reference_loss(logps, mask, old, ref, adv, loss_type, beta, num_iterations):
+def reference_loss(logps, mask, old, ref, adv, loss_type, beta, num_iterations, bias_correction_kl=True):
     """The loss and METRICS per completion in plain Python floats (TRL 1.16's _compute_loss, one batch)."""
     per_seq, tokens = [], 0
     kl_sum = low_sum = high_sum = region_sum = 0.0
@@ -51,7 +51,7 @@ def reference_loss(logps, mask, old, ref, adv, loss_type, beta, num_iterations):
             clipped = min(max(ratio, 1 - EPS), 1 + EPS_HIGH)
             loss = -min(ratio * a, clipped * a)
             d = float(ref[i, t]) - lp
-            kl = math.exp(d) - d - 1
+            kl = (math.exp(d) - d - 1) * (ratio if bias_correction_kl else 1)
             if beta:
                 loss += beta * kl
             seq.append(loss)
@@ -73,9 +73,9 @@ def reference_loss(logps, mask, old, ref, adv, loss_type, beta, num_iterations):
     return value, metrics
 
 
-def ours(rows: slice | list, logps, mask, old, ref, adv, loss_type, beta, num_iterations):
+def ours(rows: slice | list, logps, mask, old, ref, adv, loss_type, beta, num_iterations, bias_correction_kl=True):
     return policy.policy_sums(logps[rows], mask[rows], adv[rows], None if num_iterations == 1 else old[rows],
-                              ref[rows] if beta else None, loss_type, EPS, EPS_HIGH, beta)
+                              ref[rows] if beta else None, loss_type, EPS, EPS_HIGH, beta, bias_correction_kl)
 
 
 CASES = pytest.mark.parametrize("loss_type,beta,num_iterations", [
@@ -83,10 +83,12 @@ CASES = pytest.mark.parametrize("loss_type,beta,num_iterations", [
 
 
 @CASES
-def test_loss_and_metrics_equal_the_formulas(loss_type, beta, num_iterations):
+@pytest.mark.parametrize("bias_correction_kl", [True, False])
+def test_loss_and_metrics_equal_the_formulas(loss_type, beta, num_iterations, bias_correction_kl):
     logps, mask, old, ref, adv = inputs()
-    want, want_metrics = reference_loss(logps, mask, old, ref, adv, loss_type, beta, num_iterations)
-    sums = ours(slice(None), logps, mask, old, ref, adv, loss_type, beta, num_iterations)
+    want, want_metrics = reference_loss(logps, mask, old, ref, adv, loss_type, beta, num_iterations,
+                                        bias_correction_kl)
+    sums = ours(slice(None), logps, mask, old, ref, adv, loss_type, beta, num_iterations, bias_correction_kl)
     totals = policy.policy_counts(mask)
     assert totals.tolist() == [ROWS, 22]
     assert policy.objective(sums, totals, loss_type, MAX_LEN).item() == pytest.approx(want, abs=1e-6)

@@ -12,9 +12,12 @@ Per token t of completion i, with π the policy's log-probs (logits / temperatur
 time (num_iterations = 1: the detached current ones, ratio 1 whose gradient is the policy gradient), π_ref
 the reference's:
     ratio  ρ = exp(π - π_old)
-    ℓ_it = -min(ρ A_i, clip(ρ, 1 - epsilon, 1 + epsilon_high) A_i) + beta (exp(π_ref - π) - (π_ref - π) - 1)
-(the last term: the k3 estimator of KL(π || π_ref), only with beta > 0). m_it = 1 on trained completion
-tokens (up to and including the first EOS; none of a truncated completion with mask_truncated_completions).
+    k3     exp(π_ref - π) - (π_ref - π) - 1, the k3 estimator of KL(π || π_ref), times ρ with
+           use_bias_correction_kl (TRL 1.16's default, DeepSeek-V3.2: the unbiased reverse-KL gradient; ρ is
+           differentiable, so this changes the gradient at ρ = 1 too)
+    ℓ_it = -min(ρ A_i, clip(ρ, 1 - epsilon, 1 + epsilon_high) A_i) + beta k3 (the last term only with beta > 0)
+m_it = 1 on trained completion tokens (up to and including the first EOS; none of a truncated completion
+with mask_truncated_completions).
 
 Aggregation (loss_type), over the step's global batch of N completions of every rank and micro-batch:
   grpo     Σ_i (Σ_t ℓ m / max(Σ_t m, 1)) / N: each completion's token mean, averaged over completions
@@ -30,7 +33,7 @@ Each micro-batch gives sums (policy_sums), the caller all-reduces the counts (po
 and objective() divides, so 1 or 2 ranks and any accumulation split give the same loss and gradients.
 
 Metrics, TRL's names, each a mean over the global batch's trained tokens (TRL: per micro-batch, the
-same over one micro-batch): kl (beta > 0), clip_ratio/low_mean (ρ < 1 - epsilon with A < 0),
+same over one micro-batch): kl (beta > 0; the k3 term as in the loss, ratio-weighted or not), clip_ratio/low_mean (ρ < 1 - epsilon with A < 0),
 clip_ratio/high_mean (ρ > 1 + epsilon_high with A > 0), clip_ratio/region_mean (either). Reward metrics
 (reward_metrics): reward, reward_std, rewards/<name>/mean, rewards/<name>/std, frac_reward_zero_std.
 """
@@ -68,6 +71,8 @@ class GRPOSection:
     """Upper clipping bound: 1 + epsilon_high (None: epsilon; DAPO's clip-higher uses 0.28)."""
     beta: float = 0.0
     """KL penalty to the reference model (k3 estimator); 0 builds no reference."""
+    use_bias_correction_kl: bool = True
+    """beta > 0: multiply the per-token KL by the importance ratio (TRL 1.16's default, DeepSeek-V3.2)."""
     num_iterations: int = 1
     """Updates per generation batch (mu); > 1 takes the ratio against the log-probs at sampling time."""
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
@@ -195,10 +200,10 @@ class PolicySums(NamedTuple):
 
 def policy_sums(logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, old_logps: torch.Tensor | None,
                 ref_logps: torch.Tensor | None, loss_type: str, epsilon: float, epsilon_high: float | None,
-                beta: float) -> PolicySums:
+                beta: float, bias_correction_kl: bool = True) -> PolicySums:
     """logps, old_logps, ref_logps: [completions, positions] per-token log-probs (to_grid); mask: the trained
     tokens; advantages: [completions]. old_logps None: num_iterations = 1 (the detached current log-probs).
-    ref_logps: needed when beta > 0."""
+    ref_logps: needed when beta > 0. bias_correction_kl: grpo.use_bias_correction_kl."""
     if beta and ref_logps is None:
         raise ValueError("grpo.beta > 0 needs the reference's log-probs")
     m = mask.float()
@@ -212,6 +217,8 @@ def policy_sums(logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Tenso
     if beta:
         delta = ref_logps.float() - logps
         kl = torch.exp(delta) - delta - 1
+        if bias_correction_kl:
+            kl = kl * ratio
         per_token = per_token + beta * kl
     if loss_type == "grpo":
         loss = ((per_token * m).sum(1) / m.sum(1).clamp(min=1)).sum()
