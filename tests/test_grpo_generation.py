@@ -16,7 +16,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from conftest import REPO, launch
-from llmtrain.generation import Sampling, filter_logits, generate, pick, sample_seed
+from llmtrain.data.formats import IGNORE
+from llmtrain.generation import Completions, Sampling, filter_logits, generate, pick, sample_seed, training_rows
+from llmtrain.losses.token import next_token_targets
 
 VOCAB, EOS, PAD = 16, [2, 3], 0
 CPU = torch.device("cpu")
@@ -110,6 +112,21 @@ def test_top_k_1_is_greedy_as_model_generate():
                         pad_token_id=PAD)[0, len(prompt):]
     assert c.ids[0, : c.lengths[0]].tolist() == hf[: c.lengths[0]].tolist()
     assert c.lengths[0] == len(hf) or hf[c.lengths[0]:].eq(PAD).all()
+
+
+def test_training_rows():
+    """prompt + completion right-padded; labels the completion with its EOS; a truncated one masked on request;
+    the loss's per-token grid (next-token targets) lines up with the completion's tokens."""
+    c = Completions(torch.tensor([[5, 2, 0], [6, 7, 8]]), torch.tensor([[1, 1, 0], [1, 1, 1]]).bool(),
+                    torch.tensor([2, 3]), torch.tensor([False, True]))
+    rows = training_rows([[1, 4, 6], [1, 9]], c, PAD, mask_truncated=False)
+    assert rows["input_ids"].tolist() == [[1, 4, 6, 5, 2, 0], [1, 9, 6, 7, 8, 0]]
+    assert rows["labels"].tolist() == [[IGNORE] * 3 + [5, 2, IGNORE], [IGNORE] * 2 + [6, 7, 8, IGNORE]]
+    assert rows["position_ids"].tolist() == [list(range(6))] * 2
+    keep = next_token_targets(rows["labels"]) != IGNORE
+    assert rows["input_ids"][:, 1:][keep[:, :-1]].tolist() == [5, 2, 6, 7, 8]
+    masked = training_rows([[1, 4, 6], [1, 9]], c, PAD, mask_truncated=True)
+    assert masked["labels"][1].eq(IGNORE).all() and torch.equal(masked["labels"][0], rows["labels"][0])
 
 
 WORKER = textwrap.dedent("""
