@@ -25,7 +25,8 @@ import math
 import re
 import sys
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from llmtrain.config import ConfigError
 
