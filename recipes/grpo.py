@@ -204,6 +204,7 @@ def train(cfg: GRPOConfig, env: distributed.DistEnv) -> torch.nn.Module:
         totals = distributed.all_reduce(torch.stack([policy.policy_counts(k) for k in keeps]).sum(0))
         loss_sum = torch.zeros((), device=env.device)
         summed = torch.zeros(len(policy.METRICS), device=env.device)
+        minima = torch.full((2,), float("inf"), device=env.device)
         for i, (b, keep) in enumerate(zip(rows, keeps)):
             with parallelize.grad_sync(model, plan, enabled=i == len(rows) - 1):
                 logps = logps_of(model, run.token_loss, b, grad=True)
@@ -214,8 +215,11 @@ def train(cfg: GRPOConfig, env: distributed.DistEnv) -> torch.nn.Module:
                 (run.scaler.scale(part * env.world_size) if run.scaler else part * env.world_size).backward()
             loss_sum += part.detach()
             summed += sums.metrics
+            minima = torch.minimum(minima, sums.minima)
         loss = distributed.all_reduce(loss_sum).item()
-        extra = {**cache["extra"], **policy.metrics(distributed.all_reduce(summed), int(totals[1]), g.beta)}
+        extra = {**cache["extra"], **policy.metrics(distributed.all_reduce(summed),
+                                                    distributed.all_reduce(minima, dist.ReduceOp.MIN), int(totals[1]),
+                                                    g.beta)}
         grad_norm, ok = update(model, plan, run.opt, run.scaler, cfg.train.max_grad_norm, loss)
         batches[:] = [{k: b[k] for k in ("input_ids", "labels")} for b in rows]  # the loop's throughput counts these
         return StepResult(loss, grad_norm, int(totals[1]), ok, extra)

@@ -38,10 +38,10 @@ def inputs(seed: int = 0):
 
 def reference_loss(logps, mask, old, ref, adv, loss_type, beta, num_iterations, bias_correction_kl=True):
     """The loss and METRICS per completion in plain Python floats (TRL 1.16's _compute_loss, one batch)."""
-    per_seq, tokens = [], 0
+    per_seq, tokens, low_fracs, high_fracs = [], 0, [], []
     kl_sum = low_sum = high_sum = region_sum = 0.0
     for i in range(ROWS):
-        a, seq = float(adv[i]), []
+        a, seq, seq_low, seq_high = float(adv[i]), [], 0, 0
         for t in range(WIDTH):
             if not mask[i, t]:
                 continue
@@ -58,7 +58,11 @@ def reference_loss(logps, mask, old, ref, adv, loss_type, beta, num_iterations, 
             kl_sum += kl
             low, high = ratio < 1 - EPS and a < 0, ratio > 1 + EPS_HIGH and a > 0
             low_sum, high_sum, region_sum = low_sum + low, high_sum + high, region_sum + (low or high)
+            seq_low, seq_high = seq_low + low, seq_high + high
         per_seq.append(seq)
+        if seq:
+            low_fracs.append(seq_low / len(seq))
+            high_fracs.append(seq_high / len(seq))
         tokens += len(seq)
     if loss_type == "grpo":
         value = sum(sum(s) / max(len(s), 1) for s in per_seq) / ROWS
@@ -67,7 +71,8 @@ def reference_loss(logps, mask, old, ref, adv, loss_type, beta, num_iterations, 
     else:
         value = sum(map(sum, per_seq)) / tokens
     metrics = {"clip_ratio/low_mean": low_sum / tokens, "clip_ratio/high_mean": high_sum / tokens,
-               "clip_ratio/region_mean": region_sum / tokens}
+               "clip_ratio/region_mean": region_sum / tokens, "clip_ratio/low_min": min(low_fracs),
+               "clip_ratio/high_max": max(high_fracs)}
     if beta:
         metrics["kl"] = kl_sum / tokens
     return value, metrics
@@ -92,12 +97,12 @@ def test_loss_and_metrics_equal_the_formulas(loss_type, beta, num_iterations, bi
     totals = policy.policy_counts(mask)
     assert totals.tolist() == [ROWS, 22]
     assert policy.objective(sums, totals, loss_type, MAX_LEN).item() == pytest.approx(want, abs=1e-6)
-    got = policy.metrics(sums.metrics, int(totals[1]), beta)
+    got = policy.metrics(sums.metrics, sums.minima, int(totals[1]), beta)
     assert got.keys() == want_metrics.keys()
     for k, v in want_metrics.items():
         assert got[k] == pytest.approx(v, abs=1e-6), k
     if num_iterations == 2:  # the inputs reach past both bounds: the clip metrics are not trivially 0
-        assert got["clip_ratio/low_mean"] > 0 and got["clip_ratio/high_mean"] > 0
+        assert got["clip_ratio/low_mean"] > 0 and got["clip_ratio/high_max"] > 0
 
 
 @pytest.mark.parametrize("loss_type", policy.LOSS_TYPES)
@@ -122,14 +127,14 @@ def test_split_over_ranks_and_micro_batches_gives_the_whole_batch(loss_type, bet
     def run(parts):
         x = logps.clone().requires_grad_()
         counts = sum(policy.policy_counts(mask[p]) for p in parts)
-        total, summed = 0.0, 0
+        total, summed, minima = 0.0, 0, torch.full((2,), float("inf"))
         for p in parts:
             sums = policy.policy_sums(x[p], mask[p], adv[p], None if num_iterations == 1 else old[p],
                                       ref[p] if beta else None, loss_type, EPS, EPS_HIGH, beta)
             share = policy.objective(sums, counts, loss_type, MAX_LEN)
             share.backward()
-            total, summed = total + share.item(), summed + sums.metrics
-        return total, x.grad, policy.metrics(summed, int(counts[1]), beta)
+            total, summed, minima = total + share.item(), summed + sums.metrics, torch.minimum(minima, sums.minima)
+        return total, x.grad, policy.metrics(summed, minima, int(counts[1]), beta)
 
     whole = run([slice(0, ROWS)])
     for parts in ([slice(0, 3), slice(3, ROWS)], [slice(0, 4), slice(4, ROWS)]):

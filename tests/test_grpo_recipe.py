@@ -21,8 +21,8 @@ train: {max_steps: 3, micro_batch_size: 4, grad_accum_steps: 2, lr: 1.0e-3, warm
 grpo: {num_generations: 4, max_completion_length: 16, beta: 0.04, num_iterations: 2, reward_funcs: [REWARD]}
 log: {every_steps: 1, progress: false}
 """
-KEYS = ("loss", "reward", "reward_std", "kl", "clip_ratio/region_mean", "completions/mean_length",
-        "frac_reward_zero_std", "grad_norm")
+KEYS = ("loss", "reward", "reward_std", "kl", "clip_ratio/region_mean", "clip_ratio/high_max",
+        "completions/mean_length", "frac_reward_zero_std", "grad_norm")
 
 
 @pytest.fixture

@@ -34,7 +34,9 @@ and objective() divides, so 1 or 2 ranks and any accumulation split give the sam
 
 Metrics, TRL's names, each a mean over the global batch's trained tokens (TRL: per micro-batch, the
 same over one micro-batch): kl (beta > 0; the k3 term as in the loss, ratio-weighted or not), clip_ratio/low_mean (ρ < 1 - epsilon with A < 0),
-clip_ratio/high_mean (ρ > 1 + epsilon_high with A > 0), clip_ratio/region_mean (either). Reward metrics
+clip_ratio/high_mean (ρ > 1 + epsilon_high with A > 0), clip_ratio/region_mean (either); and over the
+completions with a trained token, the smallest fraction of low-clipped tokens (clip_ratio/low_min) and the
+largest of high-clipped ones (clip_ratio/high_max), as TRL's nanmin / nanmax. Reward metrics
 (reward_metrics): reward, reward_std, rewards/<name>/mean, rewards/<name>/std, frac_reward_zero_std.
 """
 
@@ -50,6 +52,7 @@ from llmtrain.config import Config, ConfigError
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
 METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+EXTREMES = ("clip_ratio/low_min", "clip_ratio/high_max")  # over completions: reduced with MIN, not summed
 STD_EPS = 1e-4  # TRL's: A = (r - mean) / (std + 1e-4)
 
 
@@ -196,6 +199,8 @@ def policy_counts(mask: torch.Tensor) -> torch.Tensor:
 class PolicySums(NamedTuple):
     loss: torch.Tensor     # the loss_type's numerator summed over the micro-batch (differentiable)
     metrics: torch.Tensor  # Σ over trained tokens of each METRICS entry (detached)
+    minima: torch.Tensor   # [clip_ratio/low_min, -clip_ratio/high_max] over the micro-batch's completions
+                           # (inf without any): combine with MIN (torch.minimum, all_reduce MIN)
 
 
 def policy_sums(logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, old_logps: torch.Tensor | None,
@@ -230,7 +235,12 @@ def policy_sums(logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Tenso
         low = (ratio < 1 - epsilon) & (adv < 0)
         high_clipped = (ratio > 1 + high) & (adv > 0)
         metrics = torch.stack([(kl * m).sum(), (low * m).sum(), (high_clipped * m).sum(), ((low | high_clipped) * m).sum()])
-    return PolicySums(loss, metrics)
+        scored = m.sum(1) > 0
+        n = m.sum(1)[scored]
+        inf = torch.tensor(float("inf"), device=m.device)
+        low_frac, high_frac = (low * m).sum(1)[scored] / n, (high_clipped * m).sum(1)[scored] / n
+        minima = torch.stack([low_frac.min() if len(n) else inf, -high_frac.max() if len(n) else inf])
+    return PolicySums(loss, metrics, minima)
 
 
 def objective(sums: PolicySums, totals: torch.Tensor, loss_type: str, max_completion_length: int) -> torch.Tensor:
@@ -244,10 +254,14 @@ def objective(sums: PolicySums, totals: torch.Tensor, loss_type: str, max_comple
     return sums.loss / tokens.clamp(min=1)  # bnpo, dapo
 
 
-def metrics(summed: torch.Tensor, tokens: float, beta: float) -> dict[str, float]:
+def metrics(summed: torch.Tensor, minima: torch.Tensor, tokens: float, beta: float) -> dict[str, float]:
     """METRICS as means over trained tokens, from PolicySums.metrics summed over micro-batches and ranks
-    (kl only with beta > 0, as TRL logs it)."""
+    (kl only with beta > 0, as TRL logs it), and EXTREMES from PolicySums.minima combined with MIN (left
+    out when no completion had a trained token)."""
     out = {name: value / max(tokens, 1) for name, value in zip(METRICS, summed.tolist())}
     if not beta:
         del out["kl"]
+    low, neg_high = minima.tolist()
+    if low != float("inf"):
+        out.update({EXTREMES[0]: low, EXTREMES[1]: -neg_high})
     return out

@@ -15,9 +15,9 @@ the layout, not the mask), the same advantages, sampling-time log-probs (num_ite
 (num_iterations 1) and reference log-probs (beta > 0). TRL computes the policy's log-probs with its fused
 LM head (logits / temperature) and its loss and metrics; llmtrain with TokenLoss.token_logps (chunked,
 temperature) and llmtrain.losses.policy. Prints, per loss_type x beta x num_iterations, the loss and the
-largest |difference| over the loss, the per-token log-probs, the metrics (kl, clip_ratio/*) and every
-parameter's gradient; exits non-zero above 1e-5. (The advantages come in as inputs: their formula is
-checked against numpy in tests/test_grpo_loss.py.)"""
+largest |difference| over the loss, the per-token log-probs, the metrics (kl, clip_ratio/low_mean,
+high_mean, region_mean, low_min, high_max) and every parameter's gradient; exits non-zero above 1e-5.
+(The advantages come in as inputs: their formula is checked against numpy in tests/test_grpo_loss.py.)"""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def ours(b: dict, old: torch.Tensor | None, ref: torch.Tensor | None, loss_type:
     totals = policy.policy_counts(keep)
     loss = policy.objective(sums, totals, loss_type, MAX_LEN)
     loss.backward()
-    return loss.item(), policy.metrics(sums.metrics, int(totals[1]), beta), flat.detach(), grads(model)
+    return loss.item(), policy.metrics(sums.metrics, sums.minima, int(totals[1]), beta), flat.detach(), grads(model)
 
 
 def theirs(b: dict, old: torch.Tensor | None, ref: torch.Tensor | None, loss_type: str, beta: float, tok):
@@ -101,7 +101,7 @@ def theirs(b: dict, old: torch.Tensor | None, ref: torch.Tensor | None, loss_typ
         loss = trainer._compute_loss(trainer.model, inputs)
         loss.backward()
         loss = loss.item()
-        metrics = {k: v[-1] for k, v in trainer._metrics["train"].items() if k in policy.METRICS}
+        metrics = {k: v[-1] for k, v in trainer._metrics["train"].items() if k in policy.METRICS + policy.EXTREMES}
         # TRL's own per-token log-probs, for the log-prob comparison
         with torch.no_grad():
             logps, _, _ = trainer._get_per_token_logps_and_entropies(
