@@ -50,12 +50,14 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
-def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def token_logps(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Log-probabilities (fp32) of the trained tokens, flat in row-major order: what TokenLoss.token_logps
-    gives from the chunked path too (as minus its per-token cross-entropies)."""
+    gives from the chunked path too (as minus its per-token cross-entropies). temperature: of the
+    distribution the tokens were sampled from, logits / temperature (as TRL scores GRPO completions)."""
     targets = next_token_targets(labels)
     keep = targets != IGNORE
-    return -F.cross_entropy(logits[keep].float(), targets[keep], reduction="none")
+    logits = logits[keep].float()
+    return -F.cross_entropy(logits / temperature if temperature != 1 else logits, targets[keep], reduction="none")
 
 
 def check(impl: str, device_type: str) -> None:
@@ -158,16 +160,17 @@ class TokenLoss:
             return token_loss_sum(self._logits(model, batch), batch["labels"])
         return self._on_trained_rows(model, batch, self._liger if self.impl == "liger" else self._chunked)
 
-    def token_logps(self, model: nn.Module, batch: dict) -> torch.Tensor:
+    def token_logps(self, model: nn.Module, batch: dict, temperature: float = 1.0) -> torch.Tensor:
         """Log-probs (fp32) of the trained tokens, flat in row-major order (token_logps() of the full logits),
-        differentiable for any downstream loss (DPO's): chunked, they are computed a chunk at a time with no
-        logits kept, and each chunk's logits are recomputed in the backward pass."""
+        differentiable for any downstream loss (DPO's, GRPO's): chunked, they are computed a chunk at a time
+        with no logits kept, and each chunk's logits are recomputed in the backward pass. temperature divides
+        the logits (after any soft-capping), as TRL does for GRPO's sampled completions."""
         if self.impl == "full":
-            return token_logps(self._logits(model, batch), batch["labels"])
+            return token_logps(self._logits(model, batch), batch["labels"], temperature)
         if self.impl == "liger":  # recipes refuse it before start-up; this names the reason for library callers
             raise ConfigError("train.loss_impl=liger yields only a summed loss, not per-token log-probs; "
                               "use train.loss_impl=chunked or full")
-        return self._on_trained_rows(model, batch, self._chunked_logps)
+        return self._on_trained_rows(model, batch, lambda hidden, flat: self._chunked_logps(hidden, flat, temperature))
 
     @staticmethod
     def _logits(model: nn.Module, batch: dict) -> torch.Tensor:
@@ -187,19 +190,20 @@ class TokenLoss:
             return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
                          labels=targets, logits_to_keep=keep).loss
 
-    def chunk_logps(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Log-probs (fp32) of targets under head_logits(hidden), for one chunk of rows."""
-        return -F.cross_entropy(self.head_logits(hidden).float(), targets, reduction="none")
+    def chunk_logps(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """Log-probs (fp32) of targets under head_logits(hidden) / temperature, for one chunk of rows."""
+        logits = self.head_logits(hidden).float()
+        return -F.cross_entropy(logits / temperature if temperature != 1 else logits, targets, reduction="none")
 
     def _chunked(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
             return -self._no_grad_logps(hidden, targets).sum()
         return _ChunkedHeadLoss.apply(self, hidden, targets, *self._head_inputs(hidden))
 
-    def _chunked_logps(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _chunked_logps(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
         if not torch.is_grad_enabled():  # e.g. DPO's reference: nothing to recompute
-            return self._no_grad_logps(hidden, targets)
-        return _ChunkedHeadLogps.apply(self, hidden, targets, *self._head_inputs(hidden))
+            return self._no_grad_logps(hidden, targets, temperature)
+        return _ChunkedHeadLogps.apply(self, hidden, targets, temperature, *self._head_inputs(hidden))
 
     def _head_inputs(self, hidden: torch.Tensor) -> list[torch.Tensor | None]:
         """What the chunked Functions take the output layer's gradient for: a plain nn.Linear's own weight
@@ -209,8 +213,9 @@ class TokenLoss:
         return [head.weight, head.bias] if self.plain_head else _trainable_leaves(self, hidden[:1])
 
     @torch.no_grad()
-    def _no_grad_logps(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self.chunk_logps(hidden[rows], targets[rows]) for rows in self._chunks(len(targets))])
+    def _no_grad_logps(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        return torch.cat([self.chunk_logps(hidden[rows], targets[rows], temperature)
+                          for rows in self._chunks(len(targets))])
 
     def _chunks(self, n: int) -> list[slice]:
         """Row ranges of at most chunk_tokens; one empty range when n is 0 (a batch with nothing trained)."""
@@ -247,19 +252,20 @@ def _trainable_leaves(loss: TokenLoss, probe: torch.Tensor) -> list[torch.Tensor
 
 
 def _head_grads(loss: TokenLoss, hidden: torch.Tensor, targets: torch.Tensor, leaves: list[torch.Tensor],
-                weights: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """Chunk by chunk: the log-probs of targets under head_logits(hidden), and the gradients of
-    sum(weights x log-probs) w.r.t. the hidden rows and the head's leaves (weights None: all -1, i.e. the
-    summed cross-entropy's). Only one chunk's logits exist at a time."""
+                weights: torch.Tensor | None, temperature: float = 1.0
+                ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Chunk by chunk: the log-probs of targets under head_logits(hidden) / temperature, and the gradients
+    of sum(weights x log-probs) w.r.t. the hidden rows and the head's leaves (weights None: all -1, i.e.
+    the summed cross-entropy's). Only one chunk's logits exist at a time."""
     if loss.plain_head:
-        return _linear_head_grads(loss, hidden, targets, *leaves, weights)
+        return _linear_head_grads(loss, hidden, targets, *leaves, weights, temperature)
     grad_hidden = torch.zeros_like(hidden)
     grad_leaves = [None] * len(leaves)
     logps = []
     for rows in loss._chunks(len(targets)):
         with torch.enable_grad():
             h = hidden[rows].detach().requires_grad_()
-            chunk = loss.chunk_logps(h, targets[rows])
+            chunk = loss.chunk_logps(h, targets[rows], temperature)
         grads = torch.autograd.grad(chunk, [h, *leaves], -torch.ones_like(chunk) if weights is None else weights[rows])
         grad_hidden[rows] = grads[0]
         for i, g in enumerate(grads[1:]):
@@ -269,12 +275,13 @@ def _head_grads(loss: TokenLoss, hidden: torch.Tensor, targets: torch.Tensor, le
 
 
 def _linear_head_grads(loss: TokenLoss, hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor,
-                       bias: torch.Tensor | None, weights: torch.Tensor | None):
+                       bias: torch.Tensor | None, weights: torch.Tensor | None, temperature: float = 1.0):
     """_head_grads for a plain nn.Linear, with the cross-entropy's gradient written out: one fp32 buffer per
     chunk holds the logits z, then e = exp(z - max) in place (one exp pass; log p = z_t - max - log s with
     s the row sum of e), then e - s one-hot, whose row scale -weight / s is applied to the small operands
     of the two matmuls; the weight's gradient accumulates in place (addmm_). Autograd would make the
-    log-softmax, its gradient and a weight gradient per chunk to add."""
+    log-softmax, its gradient and a weight gradient per chunk to add. A temperature divides z (after any
+    soft-capping) in place, and its 1 / temperature joins the row scale."""
     dtype = _compute_dtype(hidden)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         h_all, w = hidden.detach().to(dtype), weight.detach().to(dtype)
@@ -289,6 +296,8 @@ def _linear_head_grads(loss: TokenLoss, hidden: torch.Tensor, targets: torch.Ten
             if loss.softcap:
                 capped = torch.tanh(z / loss.softcap)
                 z = capped * loss.softcap
+            if temperature != 1:
+                z.div_(temperature)
             picked, top = z.gather(1, t[:, None]), z.amax(1, keepdim=True)
             e = z.sub_(top).exp_()
             s = e.sum(1, keepdim=True)
@@ -298,6 +307,8 @@ def _linear_head_grads(loss: TokenLoss, hidden: torch.Tensor, targets: torch.Ten
             if loss.softcap:
                 e.mul_(capped.square_().neg_().add_(1))  # d tanh(x) = 1 - tanh(x)^2
             scale = ((1 if weights is None else -weights[rows, None]) / s).to(dtype)  # weights None: -1
+            if temperature != 1:
+                scale = scale / temperature
             e = e.to(dtype)
             torch.mm(e, w, out=grad_hidden[rows]).mul_(scale)
             if grad_w is not None:
@@ -338,22 +349,24 @@ class _ChunkedHeadLogps(torch.autograd.Function):
     recomputes them chunk by chunk (under the forward's autocast), inside the model's backward pass."""
 
     @staticmethod
-    def forward(ctx, loss: TokenLoss, hidden: torch.Tensor, targets: torch.Tensor, *leaves: torch.Tensor):
+    def forward(ctx, loss: TokenLoss, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+                *leaves: torch.Tensor):
         device = hidden.device.type
         # The leaves as references, not saved tensors: FSDP may refill an unsharded parameter in place
         # between forward and backward, which a saved tensor's version check would refuse.
-        ctx.loss, ctx.leaves = loss, leaves
+        ctx.loss, ctx.leaves, ctx.temperature = loss, leaves, temperature
         ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
         ctx.save_for_backward(hidden, targets)
-        return loss._no_grad_logps(hidden, targets)
+        return loss._no_grad_logps(hidden, targets, temperature)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         hidden, targets = ctx.saved_tensors
         device, dtype, enabled = ctx.autocast
         with torch.autocast(device, dtype=dtype, enabled=enabled):
-            _, grad_hidden, grad_leaves = _head_grads(ctx.loss, hidden, targets, ctx.leaves, grad_out)
-        return None, grad_hidden, None, *grad_leaves
+            _, grad_hidden, grad_leaves = _head_grads(ctx.loss, hidden, targets, ctx.leaves, grad_out,
+                                                      ctx.temperature)
+        return None, grad_hidden, None, None, *grad_leaves
 
 
 @torch.no_grad()

@@ -1,0 +1,211 @@
+"""Sampling completions for a batch of prompts inside a training run, under any parallel strategy.
+
+Reproducible by key: each completion draws its random numbers from its own torch.Generator, seeded from
+a key such as (seed, step, prompt index in the dataset, generation index) (sample_seed), and samples by
+inverse CDF (one uniform per token), so a completion depends on its key, its prompt and the weights only:
+not on the world size, the rank, the other rows of its batch, the micro-batch split or a resume. (Its
+logits may differ in the last bits between batch layouts; a token flips only when a uniform falls
+within that distance of a boundary of the cumulative distribution.)
+
+One gather of the weights per call, a KV cache for decoding:
+  none, ddp  the module itself (DDP's forward would broadcast buffers at every step)
+  fsdp2      every FSDP unit unsharded once (unshard) and kept so across the forwards, resharded at
+             the end: decoding then runs no collective, so ranks stop at their own last token
+  fsdp       FSDP1's forward gathers each unit at every step, even inside summon_full_params (its nested
+             units still all-gather: measured, a rank running more forwards than another hangs), so
+             every rank runs the same number of forwards (a finished rank feeds padding) until every
+             rank is done, agreed by a one-int all-reduce per step
+
+Rows: prompts left-padded with an attention mask; finished rows keep decoding padding (masked).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from llmtrain.data.formats import IGNORE
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_tokens: int
+    """Tokens sampled per completion at most (grpo.max_completion_length)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    """Nucleus: keep the most likely tokens whose probabilities sum to top_p (HF's TopPLogitsWarper)."""
+    top_k: int = 0
+    """Keep the top_k most likely tokens (0: all)."""
+
+
+class Completions(NamedTuple):
+    ids: torch.Tensor        # [rows, width] long: sampled tokens, pad_id after a row's first EOS
+    mask: torch.Tensor       # [rows, width] bool: the completion's tokens, its first EOS included
+    lengths: torch.Tensor    # [rows] long: mask.sum(1)
+    truncated: torch.Tensor  # [rows] bool: max_tokens reached without an EOS
+
+
+def sample_seed(*key: int) -> int:
+    """A 63-bit generator seed from integers (e.g. seed, step, prompt index, generation index): a hash, so
+    that nearby keys give unrelated streams."""
+    digest = hashlib.blake2b(b",".join(str(int(k)).encode() for k in key), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def uniforms(keys: list[tuple[int, ...]], n: int) -> torch.Tensor:
+    """[rows, n] float64 uniforms in [0, 1), row i from a CPU generator seeded by sample_seed(*keys[i]):
+    the same on any device."""
+    out = torch.empty(len(keys), n, dtype=torch.float64)
+    for i, key in enumerate(keys):
+        out[i] = torch.rand(n, dtype=torch.float64, generator=torch.Generator().manual_seed(sample_seed(*key)))
+    return out
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """transformers' TopKLogitsWarper then TopPLogitsWarper (at least one token kept): excluded tokens get
+    -inf. logits: [rows, vocab], already divided by the temperature."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1:
+        sorted_logits, order = torch.sort(logits, descending=False)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cumulative <= 1 - top_p
+        drop[:, -1] = False
+        logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    return logits
+
+
+def pick(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row by inverse CDF: the first token whose cumulative probability exceeds u (right=True
+    never picks a token of probability 0)."""
+    cdf = logits.float().softmax(-1).double().cumsum(-1)
+    token = torch.searchsorted(cdf, (u.to(cdf.device) * cdf[:, -1])[:, None], right=True)
+    return token.squeeze(1).clamp(max=logits.shape[-1] - 1)
+
+
+def _fsdp2_units(model: nn.Module) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module):
+    """-> (module to call, lockstep): every weight gathered for the block when the strategy allows it;
+    lockstep True when each forward is still collective (FSDP1)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        yield model.module, False
+    elif isinstance(model, FullyShardedDataParallel):
+        yield model, True
+    elif units := _fsdp2_units(model):
+        # Keep every unit unsharded across the forwards: reshard_after_forward off for the block, then the
+        # units' own settings back (FSDP2 offers a setter but no getter: its param groups hold them).
+        saved = [(u._get_fsdp_state(), [(g, g.post_forward_mesh_info) for g in u._get_fsdp_state()._fsdp_param_groups])
+                 for u in units]
+        autos = [state._auto_reshard_after_forward for state, _ in saved]
+        for unit in units:
+            unit.set_reshard_after_forward(False, recurse=False)
+            unit.unshard()
+        try:
+            yield model, False
+        finally:
+            for (state, groups), auto in zip(saved, autos):
+                state._auto_reshard_after_forward = auto
+                for group, info in groups:
+                    group.post_forward_mesh_info = info
+            for unit in units:
+                unit.reshard()
+    else:
+        yield model, False
+
+
+@torch.no_grad()
+def generate(model: nn.Module, prompts: list[list[int]], keys: list[tuple[int, ...]], sampling: Sampling,
+             eos_ids: list[int], pad_id: int, device: torch.device) -> Completions:
+    """Sample one completion per prompt (repeat a prompt G times with G keys for a group). Collective
+    under FSDP1 and FSDP2: every rank calls it, each with its own prompts (at least one). Run it under the
+    training's autocast when it has one."""
+    if not prompts or len(prompts) != len(keys):
+        raise ValueError(f"generate: {len(prompts)} prompts and {len(keys)} keys; need as many, at least one")
+    rows, width = len(prompts), max(map(len, prompts))
+    ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    attention = torch.zeros(rows, width, dtype=torch.long)
+    for i, p in enumerate(prompts):  # left padding: every row's next token is at the same position
+        ids[i, width - len(p):] = torch.tensor(p)
+        attention[i, width - len(p):] = 1
+    ids, attention = ids.to(device), attention.to(device)
+    positions = (attention.cumsum(1) - 1).clamp(min=0)
+    u = uniforms(keys, sampling.max_tokens)
+    eos = torch.tensor(sorted(set(eos_ids)), device=device)
+    out = torch.full((rows, sampling.max_tokens), pad_id, dtype=torch.long, device=device)
+    done = torch.zeros(rows, dtype=torch.bool, device=device)
+    ended = torch.zeros(rows, dtype=torch.bool, device=device)  # an EOS was sampled
+    was_training = model.training
+    model.eval()
+    try:
+        with gathered(model) as (module, lockstep):
+            cache, step, inputs = None, 0, ids
+            while step < sampling.max_tokens:
+                result = module(input_ids=inputs, attention_mask=attention, position_ids=positions,
+                                cache=cache, use_cache=True, logits_to_keep=1)
+                cache = result.cache
+                logits = result.logits[:, -1].float() / sampling.temperature
+                token = pick(filter_logits(logits, sampling.top_k, sampling.top_p), u[:, step])
+                token = token.masked_fill(done, pad_id)
+                out[:, step] = token
+                ended |= ~done & torch.isin(token, eos)
+                done |= ended
+                step += 1
+                if _all_done(done, lockstep, device):
+                    break
+                inputs = token[:, None]
+                attention = F.pad(attention, (0, 1), value=1)
+                positions = positions[:, -1:] + 1
+    finally:
+        model.train(was_training)
+    out = out[:, :step]
+    # A row's tokens: up to and including its first EOS (all of them when it has none).
+    first_eos = torch.where(torch.isin(out, eos), torch.arange(step, device=device), step).amin(1)
+    mask = torch.arange(step, device=device)[None] <= first_eos[:, None]
+    out = out.masked_fill(~mask, pad_id)
+    return Completions(out, mask, mask.sum(1), ~ended)
+
+
+def _all_done(done: torch.Tensor, lockstep: bool, device: torch.device) -> bool:
+    """This rank's rows all done; in lockstep, every rank's (one all-reduce)."""
+    if not lockstep:
+        return bool(done.all())
+    pending = (~done).any().long().reshape(1).to(device)
+    dist.all_reduce(pending)
+    return not pending.item()
+
+
+def training_rows(prompts: list[list[int]], completions: Completions, pad_id: int,
+                  mask_truncated: bool) -> dict[str, torch.Tensor]:
+    """The rows the loss scores (TokenLoss.token_logps): prompt + completion, right-padded, with
+    position_ids from 0 and labels = the completion's tokens (its EOS included), IGNORE elsewhere, and
+    for a truncated completion too when mask_truncated (grpo.mask_truncated_completions: it still counts
+    as a completion in grpo's and dr_grpo's denominators, as in TRL)."""
+    ids, mask = completions.ids.cpu(), completions.mask.cpu()
+    keep = mask & ~completions.truncated.cpu()[:, None] if mask_truncated else mask
+    width = max(len(p) for p in prompts) + ids.shape[1]
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    labels = torch.full_like(input_ids, IGNORE)
+    for i, p in enumerate(prompts):
+        n = int(mask[i].sum())
+        input_ids[i, :len(p)] = torch.tensor(p)
+        input_ids[i, len(p):len(p) + n] = ids[i, :n]
+        labels[i, len(p):len(p) + n] = ids[i, :n].masked_fill(~keep[i, :n], IGNORE)
+    return {"input_ids": input_ids, "labels": labels,
+            "position_ids": torch.arange(width).expand(len(prompts), -1).contiguous()}

@@ -1,0 +1,267 @@
+"""Policy-gradient losses of the GRPO family (GRPO, BNPO, Dr. GRPO, DAPO) over sampled completions, with
+TRL 1.16's GRPOTrainer formulas (trl/trainer/grpo_trainer.py, _generate_and_score_completions and
+_compute_loss) and a global-batch normalisation.
+
+Advantages (group_advantages): the rewards of every completion of the step, gathered from every rank in
+global order (prompt-major: the G completions of a prompt are consecutive), r = Σ_f w_f r_f (nansum: a
+reward function's None is left out), A = r - mean of the group, divided by std + 1e-4 (std with Bessel's
+correction) of the group (scale_rewards=group), of the whole batch (batch), or not divided (none). A
+completion that no function scored gets A = 0.
+
+Per token t of completion i, with π the policy's log-probs (logits / temperature), π_old those at sampling
+time (num_iterations = 1: the detached current ones, ratio 1 whose gradient is the policy gradient), π_ref
+the reference's:
+    ratio  ρ = exp(π - π_old)
+    k3     exp(π_ref - π) - (π_ref - π) - 1, the k3 estimator of KL(π || π_ref), times ρ with
+           use_bias_correction_kl (TRL 1.16's default, DeepSeek-V3.2: the unbiased reverse-KL gradient; ρ is
+           differentiable, so this changes the gradient at ρ = 1 too)
+    ℓ_it = -min(ρ A_i, clip(ρ, 1 - epsilon, 1 + epsilon_high) A_i) + beta k3 (the last term only with beta > 0)
+m_it = 1 on trained completion tokens (up to and including the first EOS; none of a truncated completion
+with mask_truncated_completions).
+
+Aggregation (loss_type), over the step's global batch of N completions of every rank and micro-batch:
+  grpo     Σ_i (Σ_t ℓ m / max(Σ_t m, 1)) / N: each completion's token mean, averaged over completions
+           (TRL: the same per micro-batch, then averaged over accumulation steps and ranks; equal when
+           micro-batches hold as many completions)
+  bnpo     Σ_it ℓ m / Σ_it m: a mean over the global batch's tokens (TRL: over each micro-batch's own
+           tokens, then averaged over accumulation steps and ranks, which equals this on one micro-batch
+           at one rank; with a split, TRL's depends on it and this does not, so here bnpo = dapo)
+  dr_grpo  Σ_it ℓ m / (N · max_completion_length): a constant denominator (Liu et al. 2025)
+  dapo     Σ_it ℓ m / Σ_it m, the token count of the whole generation batch over every rank (TRL's
+           num_items_in_batch; Yu et al. 2025)
+Each micro-batch gives sums (policy_sums), the caller all-reduces the counts (policy_counts) once per step,
+and objective() divides, so 1 or 2 ranks and any accumulation split give the same loss and gradients.
+
+Metrics, TRL's names, each a mean over the global batch's trained tokens (TRL: per micro-batch, the
+same over one micro-batch): kl (beta > 0; the k3 term as in the loss, ratio-weighted or not), clip_ratio/low_mean (ρ < 1 - epsilon with A < 0),
+clip_ratio/high_mean (ρ > 1 + epsilon_high with A > 0), clip_ratio/region_mean (either); and over the
+completions with a trained token, the smallest fraction of low-clipped tokens (clip_ratio/low_min) and the
+largest of high-clipped ones (clip_ratio/high_max), as TRL's nanmin / nanmax. Reward metrics
+(reward_metrics): reward, reward_std, rewards/<name>/mean, rewards/<name>/std, frac_reward_zero_std.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
+
+import torch
+
+from llmtrain.config import Config, ConfigError
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+SCALE_REWARDS = ("group", "batch", "none")
+METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+EXTREMES = ("clip_ratio/low_min", "clip_ratio/high_max")  # over completions: reduced with MIN, not summed
+STD_EPS = 1e-4  # TRL's: A = (r - mean) / (std + 1e-4)
+
+
+@dataclass
+class GRPOSection:
+    num_generations: int = 8
+    """G: completions sampled per prompt (>= 2); a group's advantages are relative to its own mean."""
+    max_completion_length: int = 256
+    """Tokens sampled per completion at most; also dr_grpo's constant denominator."""
+    temperature: float = 1.0
+    """Sampling temperature; the log-probs of the loss use the same (logits / temperature, as TRL)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1: off)."""
+    top_k: int = 0
+    """Keep the top_k most likely tokens only (0: off)."""
+    epsilon: float = 0.2
+    """Lower clipping bound of the ratio: 1 - epsilon."""
+    epsilon_high: float | None = None
+    """Upper clipping bound: 1 + epsilon_high (None: epsilon; DAPO's clip-higher uses 0.28)."""
+    beta: float = 0.0
+    """KL penalty to the reference model (k3 estimator); 0 builds no reference."""
+    use_bias_correction_kl: bool = True
+    """beta > 0: multiply the per-token KL by the importance ratio (TRL 1.16's default, DeepSeek-V3.2)."""
+    num_iterations: int = 1
+    """Updates per generation batch (mu); > 1 takes the ratio against the log-probs at sampling time."""
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    """How per-token losses are aggregated (llmtrain/losses/policy.py's docstring): grpo (mean per completion,
+    then over completions) | bnpo, dapo (mean over the global batch's tokens) | dr_grpo (sum / (completions x
+    max_completion_length))."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Advantage scaling: divide by the group's reward std (group), the batch's (batch) or not at all (none,
+    Dr. GRPO's recommendation)."""
+    mask_truncated_completions: bool = False
+    """Leave completions that reached max_completion_length without an EOS out of the loss (DAPO)."""
+    reward_funcs: list[str] = field(default_factory=list)
+    """Reward functions, "package.module:function" or "path/to/file.py:function", each called as TRL does:
+    f(prompts, completions, completion_ids, **columns) -> list[float | None]. Built-ins:
+    llmtrain.rewards:exact_answer, llmtrain.rewards:format_regex."""
+    reward_weights: list[float] | None = None
+    """One weight per reward function (None: all 1)."""
+
+
+@dataclass
+class GRPOConfig(Config):
+    """recipes/grpo.py's Config: the shared sections plus grpo:."""
+    grpo: GRPOSection = field(default_factory=GRPOSection)
+
+
+def check(section: GRPOSection) -> None:
+    """Set-up checks, naming the grpo.* keys."""
+    s = section
+    if s.num_generations < 2:
+        raise ConfigError("grpo.num_generations must be >= 2 (advantages are relative to the group's mean)")
+    for key in ("max_completion_length", "num_iterations"):
+        if getattr(s, key) < 1:
+            raise ConfigError(f"grpo.{key} must be >= 1")
+    if s.temperature <= 0:
+        raise ConfigError("grpo.temperature must be > 0")
+    if not 0 < s.top_p <= 1:
+        raise ConfigError("grpo.top_p must be in (0, 1]")
+    if s.top_k < 0:
+        raise ConfigError("grpo.top_k must be >= 0 (0: off)")
+    if not 0 <= s.epsilon < 1:
+        raise ConfigError("grpo.epsilon must be in [0, 1)")
+    if s.epsilon_high is not None and s.epsilon_high < 0:
+        raise ConfigError("grpo.epsilon_high must be >= 0")
+    if s.beta < 0:
+        raise ConfigError("grpo.beta must be >= 0")
+    if s.loss_type not in LOSS_TYPES:
+        raise ConfigError(f"grpo.loss_type: {s.loss_type!r} is not a valid choice; choose one of {', '.join(LOSS_TYPES)}")
+    if s.scale_rewards not in SCALE_REWARDS:
+        raise ConfigError(f"grpo.scale_rewards: {s.scale_rewards!r} is not a valid choice; choose one of "
+                          f"{', '.join(SCALE_REWARDS)}")
+    if not s.reward_funcs:
+        raise ConfigError("grpo.reward_funcs: name at least one reward function, e.g. [llmtrain.rewards:exact_answer]")
+    if s.reward_weights is not None and len(s.reward_weights) != len(s.reward_funcs):
+        raise ConfigError(f"grpo.reward_weights: {len(s.reward_weights)} weights for {len(s.reward_funcs)} "
+                          "grpo.reward_funcs; give one per function")
+
+
+def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """TRL's nanstd: the std of the non-NaN values with Bessel's correction (NaN below 2 values)."""
+    keep = ~torch.isnan(x)
+    count = keep.sum() if dim is None else keep.sum(dim)
+    mean = torch.nanmean(x) if dim is None else torch.nanmean(x, dim, keepdim=True)
+    var = torch.nanmean((x - mean) ** 2) if dim is None else torch.nanmean((x - mean) ** 2, dim)
+    return torch.where(count > 1, (var * count / (count - 1)).sqrt(), torch.full_like(var, float("nan")))
+
+
+def combine_rewards(per_func: torch.Tensor, weights: list[float] | None) -> torch.Tensor:
+    """[completions, functions] rewards (NaN: not applicable) -> weighted nansum per completion, NaN where
+    no function applied (TRL's unscorable completions)."""
+    w = per_func.new_tensor(weights if weights is not None else [1.0] * per_func.shape[1])
+    rewards = (per_func * w).nansum(1)
+    return rewards.masked_fill(torch.isnan(per_func).all(1), float("nan"))
+
+
+class Advantages(NamedTuple):
+    advantages: torch.Tensor  # [completions]: the global batch's, in its order (slice your rank's rows)
+    rewards: torch.Tensor     # [completions]: combined rewards, NaN where unscorable
+    std_zero: torch.Tensor    # [completions] bool: the std that scaled (or would scale) it is ~0
+
+
+def group_advantages(per_func: torch.Tensor, weights: list[float] | None, num_generations: int,
+                     scale_rewards: str) -> Advantages:
+    """per_func: [completions, functions] rewards of the whole step, every rank's, prompt-major (a group's
+    G completions consecutive). TRL 1.16's sum_then_normalize aggregation."""
+    rewards = combine_rewards(per_func.float(), weights)
+    groups = rewards.view(-1, num_generations)
+    mean = torch.nanmean(groups, 1).repeat_interleave(num_generations)
+    if scale_rewards == "batch":
+        std = _nanstd(rewards).expand_as(rewards)
+    else:  # group; "none" computes it for frac_reward_zero_std only
+        std = _nanstd(groups, 1).repeat_interleave(num_generations)
+    advantages = rewards - mean
+    if scale_rewards != "none":
+        advantages = advantages / (std + STD_EPS)
+    return Advantages(advantages.nan_to_num(0.0), rewards, torch.isclose(std, torch.zeros_like(std)))
+
+
+def reward_metrics(per_func: torch.Tensor, names: list[str], adv: Advantages) -> dict[str, float]:
+    """TRL's reward metrics over the step's global batch: reward, reward_std, rewards/<name>/mean and /std
+    (each over the completions the function scored), frac_reward_zero_std."""
+    out = {"reward": torch.nanmean(adv.rewards).item(), "reward_std": _nanstd(adv.rewards).item()}
+    for i, name in enumerate(names):
+        out[f"rewards/{name}/mean"] = torch.nanmean(per_func[:, i].float()).item()
+        out[f"rewards/{name}/std"] = _nanstd(per_func[:, i].float()).item()
+    out["frac_reward_zero_std"] = adv.std_zero.float().mean().item()
+    return out
+
+
+def to_grid(flat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Flat per-token values in row-major order (TokenLoss.token_logps') -> [rows, positions], 0 elsewhere.
+    masked_scatter keeps the gradient to the flat values."""
+    return flat.new_zeros(mask.shape).masked_scatter(mask, flat)
+
+
+def policy_counts(mask: torch.Tensor) -> torch.Tensor:
+    """[completions, trained tokens] of one micro-batch (mask: [completions, positions]): the denominators,
+    to all-reduce over the step. A completion with no trained token still counts (grpo, dr_grpo: as TRL)."""
+    return torch.stack([torch.tensor(mask.shape[0], device=mask.device), mask.sum()])
+
+
+class PolicySums(NamedTuple):
+    loss: torch.Tensor     # the loss_type's numerator summed over the micro-batch (differentiable)
+    metrics: torch.Tensor  # Σ over trained tokens of each METRICS entry (detached)
+    minima: torch.Tensor   # [clip_ratio/low_min, -clip_ratio/high_max] over the micro-batch's completions
+                           # (inf without any): combine with MIN (torch.minimum, all_reduce MIN)
+
+
+def policy_sums(logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, old_logps: torch.Tensor | None,
+                ref_logps: torch.Tensor | None, loss_type: str, epsilon: float, epsilon_high: float | None,
+                beta: float, bias_correction_kl: bool = True) -> PolicySums:
+    """logps, old_logps, ref_logps: [completions, positions] per-token log-probs (to_grid); mask: the trained
+    tokens; advantages: [completions]. old_logps None: num_iterations = 1 (the detached current log-probs).
+    ref_logps: needed when beta > 0. bias_correction_kl: grpo.use_bias_correction_kl."""
+    if beta and ref_logps is None:
+        raise ValueError("grpo.beta > 0 needs the reference's log-probs")
+    m = mask.float()
+    logps = logps.float()
+    old = logps.detach() if old_logps is None else old_logps.float()
+    adv = advantages.float()[:, None]
+    high = epsilon if epsilon_high is None else epsilon_high
+    ratio = torch.exp(logps - old)
+    per_token = -torch.min(ratio * adv, ratio.clamp(1 - epsilon, 1 + high) * adv)
+    kl = torch.zeros_like(m)
+    if beta:
+        delta = ref_logps.float() - logps
+        kl = torch.exp(delta) - delta - 1
+        if bias_correction_kl:
+            kl = kl * ratio
+        per_token = per_token + beta * kl
+    if loss_type == "grpo":
+        loss = ((per_token * m).sum(1) / m.sum(1).clamp(min=1)).sum()
+    elif loss_type in ("bnpo", "dr_grpo", "dapo"):
+        loss = (per_token * m).sum()
+    else:
+        raise ValueError(f"grpo.loss_type: {loss_type!r}; choose one of {', '.join(LOSS_TYPES)}")
+    with torch.no_grad():
+        low = (ratio < 1 - epsilon) & (adv < 0)
+        high_clipped = (ratio > 1 + high) & (adv > 0)
+        metrics = torch.stack([(kl * m).sum(), (low * m).sum(), (high_clipped * m).sum(), ((low | high_clipped) * m).sum()])
+        scored = m.sum(1) > 0
+        n = m.sum(1)[scored]
+        inf = torch.tensor(float("inf"), device=m.device)
+        low_frac, high_frac = (low * m).sum(1)[scored] / n, (high_clipped * m).sum(1)[scored] / n
+        minima = torch.stack([low_frac.min() if len(n) else inf, -high_frac.max() if len(n) else inf])
+    return PolicySums(loss, metrics, minima)
+
+
+def objective(sums: PolicySums, totals: torch.Tensor, loss_type: str, max_completion_length: int) -> torch.Tensor:
+    """This micro-batch's share of the step's loss; totals: policy_counts of every micro-batch and rank,
+    summed. Dividing by global counts makes the sum of shares the global batch's loss, whatever the split."""
+    completions, tokens = totals[0], totals[1]
+    if loss_type == "grpo":
+        return sums.loss / completions
+    if loss_type == "dr_grpo":
+        return sums.loss / (completions * max_completion_length)
+    return sums.loss / tokens.clamp(min=1)  # bnpo, dapo
+
+
+def metrics(summed: torch.Tensor, minima: torch.Tensor, tokens: float, beta: float) -> dict[str, float]:
+    """METRICS as means over trained tokens, from PolicySums.metrics summed over micro-batches and ranks
+    (kl only with beta > 0, as TRL logs it), and EXTREMES from PolicySums.minima combined with MIN (left
+    out when no completion had a trained token)."""
+    out = {name: value / max(tokens, 1) for name, value in zip(METRICS, summed.tolist())}
+    if not beta:
+        del out["kl"]
+    low, neg_high = minima.tolist()
+    if low != float("inf"):
+        out.update({EXTREMES[0]: low, EXTREMES[1]: -neg_high})
+    return out

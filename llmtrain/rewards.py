@@ -1,0 +1,168 @@
+"""Reward functions for GRPO: loaded from grpo.reward_funcs at set-up, called as TRL's GRPOTrainer calls them.
+
+A reward function is named "package.module:function" or "path/to/file.py:function" (a path relative to
+the working directory) and called once per step on this rank's completions:
+
+    f(prompts, completions, completion_ids, **columns) -> list[float | None]
+
+prompts and completions are text, or for chat prompts (lists of messages) the prompt's messages and
+[{"role": "assistant", "content": text}]; completion_ids the sampled token ids (EOS included); columns every
+other column of the records (e.g. answer), one value per completion. None means "not applicable": left out
+of that function's statistics and of the weighted sum (TRL's nansum).
+
+Built-ins, no user code needed:
+  llmtrain.rewards:exact_answer  1.0 when the completion's answer equals the record's `answer` column after
+                                 normalisation (see normalize), else 0.0; None for records without one
+  llmtrain.rewards:format_regex  1.0 when the completion matches the record's `format` column (a regex),
+                                 or FORMAT (a final answer as "#### <answer>") without one, else 0.0
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import re
+import sys
+from pathlib import Path
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from llmtrain.config import ConfigError
+
+FORMAT = r"(?s).*####\s*\S+\s*$"
+ANSWER = re.compile(r"####\s*(.+?)\s*$", re.S)
+
+
+class RewardError(RuntimeError):
+    """A reward function failed or answered wrongly during training; the message is one line."""
+
+
+class RewardFunc(NamedTuple):
+    spec: str      # as written in grpo.reward_funcs
+    name: str      # the function's __name__: the metric key rewards/<name>/...
+    fn: Callable
+
+
+def load(spec: str, key: str = "grpo.reward_funcs") -> RewardFunc:
+    """'package.module:function' or 'path/to/file.py:function' -> the callable; a ConfigError naming the
+    key and what is missing otherwise."""
+    where, sep, attr = spec.rpartition(":")
+    if not sep or not where or not attr:
+        raise ConfigError(f"{key}: {spec!r} is not 'package.module:function' or 'path/to/file.py:function'")
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise ConfigError(f"{key}: {spec!r}: no file {where}")
+        name = f"llmtrain_reward_{abs(hash(str(path.resolve())))}"
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as e:  # the user's file: any error in it is a set-up error naming it
+            raise ConfigError(f"{key}: {spec!r}: importing {where} failed: {type(e).__name__}: {e}") from None
+        sys.modules[name] = module
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ModuleNotFoundError as e:
+            raise ConfigError(f"{key}: {spec!r}: no module named {e.name!r}") from None
+        except Exception as e:  # an error inside the user's module
+            raise ConfigError(f"{key}: {spec!r}: importing {where} failed: {type(e).__name__}: {e}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ConfigError(f"{key}: {spec!r}: {where} has no function {attr!r}")
+    return RewardFunc(spec, getattr(fn, "__name__", attr), fn)
+
+
+def load_all(specs: list[str], key: str = "grpo.reward_funcs") -> list[RewardFunc]:
+    """Every function of grpo.reward_funcs, at set-up (before any process group); names must be unique
+    (they key the metrics)."""
+    funcs = [load(spec, f"{key}[{i}]") for i, spec in enumerate(specs)]
+    names = [f.name for f in funcs]
+    for name in names:
+        if names.count(name) > 1:
+            raise ConfigError(f"{key}: two functions named {name!r}; their metrics rewards/{name}/* would collide")
+    return funcs
+
+
+def score(funcs: list[RewardFunc], prompts: list, completions: list, completion_ids: list[list[int]],
+          columns: dict[str, list], prompt_index: list[int]) -> list[list[float]]:
+    """[completion][function] rewards (NaN for None). prompt_index: each completion's prompt index in the
+    dataset, to name in errors. A function that raises, returns the wrong number of rewards or a value
+    that is not a number stops with a one-line RewardError naming the function and the prompt index."""
+    out = [[math.nan] * len(funcs) for _ in completions]
+    for j, f in enumerate(funcs):
+        try:
+            values = f.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        except Exception as e:  # the user's code: find the prompt it fails on, and say so in one line
+            i = _first_failing(f, prompts, completions, completion_ids, columns)
+            where = f"prompt index {prompt_index[i]}" if i is not None else f"prompts {_indices(prompt_index)}"
+            raise RewardError(f"reward function {f.spec} raised {type(e).__name__}: {one_line(e)} ({where})") from e
+        n = len(values) if isinstance(values, (list, tuple)) else None
+        if n != len(completions):
+            got = f"{n} rewards" if n is not None else f"a {type(values).__name__}, not a list,"
+            raise RewardError(f"reward function {f.spec} returned {got} for {len(completions)} completions "
+                              f"(prompts {_indices(prompt_index)}); it must return one reward per completion")
+        for i, v in enumerate(values):
+            if v is None:
+                continue
+            try:
+                out[i][j] = float(v)
+            except (TypeError, ValueError):
+                raise RewardError(f"reward function {f.spec} returned {v!r} for prompt index {prompt_index[i]}; "
+                                  "expected a number or None") from None
+    return out
+
+
+def _first_failing(f: RewardFunc, prompts, completions, completion_ids, columns) -> int | None:
+    """The first completion that f raises on when called on it alone (None: it fails on none alone)."""
+    for i in range(len(completions)):
+        try:
+            f.fn(prompts=prompts[i:i + 1], completions=completions[i:i + 1], completion_ids=completion_ids[i:i + 1],
+                 **{k: v[i:i + 1] for k, v in columns.items()})
+        except Exception:  # noqa: BLE001  (the user's code; only which one fails matters here)
+            return i
+    return None
+
+
+def one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+def _indices(index: list[int]) -> str:
+    unique = sorted(set(index))
+    return ", ".join(map(str, unique[:8])) + (", ..." if len(unique) > 8 else "")
+
+
+def completion_text(completion: Any) -> str:
+    """The text of a completion as reward functions get it: a string, or [{"role": "assistant", "content"}]."""
+    return completion if isinstance(completion, str) else completion[-1]["content"]
+
+
+def normalize(text: str) -> str:
+    """For exact_answer: the text after the last '####' when there is one, lower-cased, without surrounding
+    whitespace, commas inside numbers, a trailing period or a leading '$'; numbers compared as numbers
+    ('3.0' == '3')."""
+    found = ANSWER.search(text)
+    text = (found.group(1) if found else text).strip().lower().rstrip(".").lstrip("$").strip()
+    text = re.sub(r"(?<=\d),(?=\d{3})", "", text)
+    try:
+        number = float(text)
+    except ValueError:
+        return " ".join(text.split())
+    return str(int(number)) if number.is_integer() else repr(number)
+
+
+def exact_answer(prompts, completions, completion_ids, answer=None, **columns) -> list[float | None]:
+    """1.0 when normalize(completion) == normalize(answer), else 0.0; None without an answer column/value."""
+    if answer is None:
+        return [None] * len(completions)
+    return [None if a is None else float(normalize(completion_text(c)) == normalize(str(a)))
+            for c, a in zip(completions, answer)]
+
+
+def format_regex(prompts, completions, completion_ids, format=None, **columns) -> list[float]:
+    """1.0 when the whole completion matches the record's `format` regex (FORMAT without one), else 0.0."""
+    patterns = format if format is not None else [None] * len(completions)
+    return [float(re.fullmatch(p or FORMAT, completion_text(c)) is not None) for c, p in zip(completions, patterns)]
