@@ -15,7 +15,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from conftest import REPO, launch
+from helpers import REPO
+from helpers.procs import launch
 from llmtrain.data.formats import IGNORE
 from llmtrain.generation import Completions, Sampling, filter_logits, generate, pick, sample_seed, training_rows
 from llmtrain.losses.token import next_token_targets

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import REPO, read_metrics, run_recipe
+from helpers import REPO
+from helpers.procs import read_metrics, run_recipe
 
 GRPO = REPO / "recipes" / "grpo.py"
 CONFIG = """\
