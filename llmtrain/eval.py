@@ -74,19 +74,22 @@ def _local_data_files(config: dict, path: Path) -> dict:
         raise EvalError(f"task {name} ({path}): data file {f} not found (relative data_files are read from "
                         f"{path.parent} or the current directory)")
 
-    if isinstance(files, dict):
-        files = {split: [resolve(f) for f in fs] if isinstance(fs, list) else resolve(fs) for split, fs in files.items()}
-    else:
-        files = [resolve(f) for f in files] if isinstance(files, list) else resolve(files)
+    def resolve_all(fs: str | list[str]) -> str | list[str]:
+        return [resolve(f) for f in fs] if isinstance(fs, list) else resolve(fs)
+
+    files = {split: resolve_all(fs) for split, fs in files.items()} if isinstance(files, dict) else resolve_all(files)
     return {**config, "dataset_kwargs": {**kwargs, "data_files": files}}
+
+
+LOCAL_HINT = ("copy the task YAML and point it at local files (dataset_path: json, "
+              "dataset_kwargs: {data_files: {test: path/to/test.jsonl}})")
 
 
 def _check_offline(name: str, config: dict, where: str) -> None:
     path = config.get("dataset_path")
     if path and path not in LOCAL_BUILDERS and not Path(path).exists() and not _in_hf_cache(path):
         raise EvalError(f"task {name} ({where}) needs dataset_path={path} from the Hugging Face Hub, and this run "
-                        "is offline: copy the task YAML and point it at local files (dataset_path: json, "
-                        "dataset_kwargs: {data_files: {test: path/to/test.jsonl}})")
+                        f"is offline: {LOCAL_HINT}")
 
 
 def _in_hf_cache(repo: str) -> bool:
@@ -145,8 +148,14 @@ def load_tasks(specs: list[str]) -> Tasks:
             raise
         except Exception as e:  # noqa: BLE001 - the harness raises anything; the user needs one line
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise EvalError(f"task {spec}: {type(e).__name__}: {first}") from None
-        objects += [*built["groups"].values()] if built.get("groups") else [*built["tasks"].values()]
+            # A group's or tag's subtasks are checked only here, when datasets fails to reach the Hub.
+            hub = any(w in f"{type(e).__name__} {first}".lower() for w in ("offline", "hub", "connection"))
+            raise EvalError(f"task {spec}: {type(e).__name__}: {first}" + (f"; {LOCAL_HINT}" if hub else "")) \
+                from None
+        # load() flattens: hand simple_evaluate the top-level groups and tasks, not their members again.
+        members = {child for children in built.get("group_map", {}).values() for child in children}
+        objects += [obj for name, obj in [*built.get("groups", {}).items(), *built["tasks"].items()]
+                    if name not in members]
     return Tasks(objects, manager)
 
 
@@ -253,7 +262,10 @@ def evaluate(model, tokenizer, tasks: Tasks, limit: float | None = None, num_few
     if data_parallel:
         from accelerate import Accelerator
 
-        lm.accelerator = Accelerator()
+        # cpu=True: otherwise accelerate on a CPU machine sees no distributed run (one process of one).
+        lm.accelerator = Accelerator(cpu=lm.device.type == "cpu")
+        if lm.accelerator.num_processes < 2:
+            raise EvalError("data_parallel: accelerate found no multi-process launch (torchrun / accelerate launch)")
         lm._rank, lm._world_size = lm.accelerator.process_index, lm.accelerator.num_processes
     return simple_evaluate(model=lm, tasks=tasks.objects, task_manager=tasks.manager, limit=limit,
                            num_fewshot=num_fewshot, batch_size=batch_size, log_samples=False)
@@ -329,7 +341,7 @@ def compare(paths: list[Path]) -> str:
             rows.append([task, metric, filt, *cells])
     header = ["task", "metric", "filter", *names]
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    line = lambda r: " | ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    line = lambda r: " | ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
     return "\n".join([line(header), "-+-".join("-" * w for w in widths), *map(line, rows)])
 
 

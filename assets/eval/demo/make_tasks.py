@@ -12,7 +12,6 @@ The contexts are the demo corpus's own sentence openings ("The ball is", "Three 
 trained on data/demo/train.jsonl (configs/demo.yaml) knows the answers and a random init guesses."""
 
 import importlib.util
-import json
 import random
 from pathlib import Path
 
