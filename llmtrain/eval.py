@@ -19,6 +19,7 @@ import json
 import math
 import os
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,7 +64,7 @@ def _local_data_files(config: dict, path: Path) -> dict:
     else as lm-eval reads them (from the current directory); a file in neither place is an error now."""
     kwargs = config.get("dataset_kwargs") or {}
     files = kwargs.get("data_files")
-    if not files:
+    if not files or config.get("dataset_path") not in LOCAL_BUILDERS:  # else: relative to the dataset's own root
         return config
     name = config.get("task", path.stem)
 
@@ -95,10 +96,11 @@ def _check_offline(name: str, config: dict, where: str) -> None:
 def _in_hf_cache(repo: str) -> bool:
     """A Hub dataset downloaded earlier is read from the local cache, offline."""
     from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
 
     try:
         return any(r.repo_id == repo and r.repo_type == "dataset" for r in scan_cache_dir().repos)
-    except Exception:  # no cache directory yet  # noqa: BLE001
+    except CacheNotFound:
         return False
 
 
@@ -221,18 +223,19 @@ def _load_checkpoint(path: Path, dtype: str) -> Loaded:
     from transformers import AutoModelForCausalLM
 
     from llmtrain import convert
+    from llmtrain.parallelize import DTYPES
 
     dtype = "fp32" if dtype == "auto" else dtype  # the recipe's export_dtype default
     try:
         ckpt = convert.read_checkpoint(path, dtype)
-        weights = (convert.merged_lora(convert.lora_config(path), ckpt.weights) if ckpt.lora else ckpt.weights)
+        weights = convert.merged_lora(convert.lora_config(path), ckpt.weights) if ckpt.lora else ckpt.weights
     except convert.CheckpointError as e:
         raise EvalError(str(e)) from None
-    weights = {k: v.to(convert.DTYPES[dtype]) for k, v in weights.items()}
+    weights = {k: v.to(DTYPES[dtype]) for k, v in weights.items()}
     config = ckpt.config
     config.use_cache = True  # as the export writes it
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=convert.DTYPES[dtype])
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     result = model.load_state_dict(weights, strict=False, assign=True)
@@ -271,6 +274,25 @@ def evaluate(model, tokenizer, tasks: Tasks, limit: float | None = None, num_few
                            num_fewshot=num_fewshot, batch_size=batch_size, log_samples=False)
 
 
+@contextmanager
+def _rng_kept():
+    import random
+
+    import numpy as np
+    import torch
+
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
 def flat_scores(results: dict) -> dict[str, float]:
     """The harness's results -> {"harness/<task>/<metric>": value} (metric,filter as lm-eval keys it, e.g.
     "acc,none"; standard errors left out), the keys the recipes log."""
@@ -283,11 +305,18 @@ def score(model, tokenizer, tasks: list[str], limit: float | None = None, num_fe
           batch_size: int = 1, data_parallel: bool = False) -> dict[str, float]:
     """For the recipes: an in-memory model (or a model directory: str/Path, as --model takes) scored on
     `tasks` -> {"harness/<task>/<metric>": value} on rank 0 ({} on the other ranks). EvalError on bad input."""
-    loaded_tasks = load_tasks(tasks)
-    if isinstance(model, (str, Path)):
-        loaded = load_model(Path(model), None, "auto", "cuda" if _cuda() else "cpu")
-        model, tokenizer = loaded.model, loaded.tokenizer
-    results = evaluate(model, tokenizer, loaded_tasks, limit, num_fewshot, batch_size, data_parallel)
+    # Building tasks draws from `random`, simple_evaluate seeds random, numpy and torch, and HFLM puts the
+    # model in eval mode: a training run's RNG streams and mode come back as they were.
+    with _rng_kept():
+        loaded_tasks = load_tasks(tasks)
+        if isinstance(model, (str, Path)):
+            loaded = load_model(Path(model), None, "auto", "cuda" if _cuda() else "cpu")
+            model, tokenizer = loaded.model, loaded.tokenizer
+        training = model.training
+        try:
+            results = evaluate(model, tokenizer, loaded_tasks, limit, num_fewshot, batch_size, data_parallel)
+        finally:
+            model.train(training)
     return flat_scores(results) if results else {}
 
 

@@ -81,6 +81,44 @@ def test_checkpoint_scores_equal_its_export(tiny_run, export_results):
                            "harness/demo_recall/exact_match,strip"}
 
 
+def test_score_in_memory_model_leaves_rng_and_mode(tiny_run, export_results):
+    """The recipes' call: an in-memory model scores as its directory does, and neither the RNG streams
+    (simple_evaluate seeds them all) nor train mode move."""
+    import random
+
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_run / "hf").train()
+    torch.manual_seed(3)
+    np.random.seed(3)
+    random.seed(3)
+    before = torch.rand(4), np.random.rand(4), random.random()
+    torch.manual_seed(3)
+    np.random.seed(3)
+    random.seed(3)
+    scores = harness.score(model, AutoTokenizer.from_pretrained(tiny_run / "hf"), [str(DEMO_TASKS)],
+                           limit=int(LIMIT))
+    assert scores == harness.flat_scores(export_results)
+    after = torch.rand(4), np.random.rand(4), random.random()
+    assert torch.equal(before[0], after[0]) and (before[1] == after[1]).all() and before[2] == after[2]
+    assert model.training
+
+
+@pytest.mark.slow
+def test_lora_adapter_checkpoint_and_merged_export_score_the_same(tiny_run, tmp_path):
+    """A LoRA run on the tiny export: its PEFT adapter on the base, its merged export and its checkpoint
+    (adapters merged onto model.path in memory) give the same scores."""
+    out = tmp_path / "lora"
+    run_recipe(out, f"model.path={tiny_run / 'hf'}", "model.config=null", "lora.enabled=true", "lora.r=4",
+               "train.lr=1.0e-2", "checkpoint.every_steps=4")
+    scores = {name: harness.score(out / sub, None, [str(DEMO_TASKS)], limit=int(LIMIT))
+              for name, sub in (("adapter", "adapter"), ("merged", "hf"), ("checkpoint", "checkpoints/step_4"))}
+    assert scores["adapter"] == scores["merged"] == scores["checkpoint"], scores
+    assert len(scores["merged"]) == 3
+
+
 @pytest.mark.slow
 def test_two_processes_score_as_one(tiny_run, export_results, tmp_path):
     """torchrun with 2 processes (gloo): each rank scores half the requests, the results are the same."""
