@@ -296,7 +296,7 @@ def _rng_kept():
 def flat_scores(results: dict) -> dict[str, float]:
     """The harness's results -> {"harness/<task>/<metric>": value} (metric,filter as lm-eval keys it, e.g.
     "acc,none"; standard errors left out), the keys the recipes log."""
-    return {f"harness/{task}/{metric}": value for task, metrics in results["results"].items()
+    return {f"harness/{task}/{metric}": float(value) for task, metrics in results["results"].items()
             for metric, value in metrics.items()
             if "," in metric and "_stderr," not in metric and isinstance(value, (int, float))}
 
