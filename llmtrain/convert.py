@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,56 +30,90 @@ from llmtrain.utils import DTYPES
 PREFIX = "model."
 
 
-def convert(ckpt: Path, out: Path, dtype: str, max_shard_size: str) -> list[Path]:
+class CheckpointError(ValueError):
+    """The checkpoint cannot be read as a model (the message names it)."""
+
+
+@dataclass
+class CheckpointModel:
+    """A checkpoint's model, in memory: weights by their Hugging Face names (the adapters only, in fp32, for
+    a LoRA checkpoint), the model config and tokenizer saved with it."""
+    weights: dict[str, torch.Tensor]
+    config: object
+    tokenizer: object
+    lora: bool
+
+
+def read_checkpoint(ckpt: Path, dtype: str) -> CheckpointModel:
     from transformers import AutoConfig, AutoTokenizer
 
     if not is_complete(ckpt):
-        raise SystemExit(f"error: {ckpt} is not a complete llmtrain checkpoint (no {STATE_FILE} or .metadata)")
+        raise CheckpointError(f"{ckpt} is not a complete llmtrain checkpoint (no {STATE_FILE} or .metadata)")
     if problems := verify(ckpt):
-        raise SystemExit(f"error: {ckpt} fails verification: {'; '.join(problems[:3])}")
+        raise CheckpointError(f"{ckpt} fails verification: {'; '.join(problems[:3])}")
     reader = dcp.FileSystemReader(str(ckpt))
     meta = reader.read_metadata().state_dict_metadata
-    lora_base = json.loads((ckpt / STATE_FILE).read_text()).get("base")
+    lora = bool(json.loads((ckpt / STATE_FILE).read_text()).get("base"))
     # A LoRA checkpoint holds its adapters in fp32 (they are merged in fp32, then cast).
-    state = {key: torch.empty(m.size, dtype=torch.float32 if lora_base else DTYPES[dtype]) for key, m in meta.items()
+    state = {key: torch.empty(m.size, dtype=torch.float32 if lora else DTYPES[dtype]) for key, m in meta.items()
              if key.startswith(PREFIX) and isinstance(m, TensorStorageMetadata)}
     dcp.load(state, storage_reader=reader, no_dist=True)
     config = AutoConfig.from_pretrained(ckpt / HF_CONFIG_DIR)
     tokenizer = AutoTokenizer.from_pretrained(ckpt / HF_CONFIG_DIR)
     weights = {key[len(PREFIX):]: state.pop(key) for key in list(state)}
-    if not lora_base:
-        write_hf(weights, out, config, tokenizer, DTYPES[dtype], max_shard_size)
-        return [out]
-    return _convert_lora(ckpt, weights, out, config, tokenizer, dtype, max_shard_size)
+    return CheckpointModel(weights, config, tokenizer, lora)
 
 
-def _convert_lora(ckpt: Path, trained: dict, out: Path, config, tokenizer, dtype: str,
-                  max_shard_size: str) -> list[Path]:
-    """A LoRA checkpoint has the adapters only: as lora.export says, out/adapter (PEFT) and/or out/hf, the
-    base from model.path (the fingerprint recorded at training time must match) with the adapters merged."""
-    from safetensors import safe_open
-
+def lora_config(ckpt: Path):
+    """The run's config of a LoRA checkpoint, once model.path is checked to be the base it was trained on."""
     cfg = load_config(ckpt / "config.yaml")
-    saved = json.loads((ckpt / STATE_FILE).read_text()).get("base") or {}
     try:
+        saved = json.loads((ckpt / STATE_FILE).read_text()).get("base") or {}
         lora.check_resume(ckpt, saved, lora.fingerprint(cfg.model.path, cfg.model.config, cfg.train.seed))
     except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    return cfg
+
+
+def merged_lora(cfg, trained: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """model.path's base weights with the checkpoint's adapters merged in (fp32); a QLoRA base as the
+    dequantized NF4 weights the adapters trained on."""
+    from safetensors import safe_open
+
+    if cfg.model.path is None:
+        raise CheckpointError("the base was a random init (model.config), not a model directory: only the "
+                              "adapter can be converted; the recipe's own export has the merged model")
+    base = {}
+    for f in sorted(Path(cfg.model.path).glob("*.safetensors")):
+        with safe_open(f, framework="pt") as handle:
+            base.update({k: handle.get_tensor(k) for k in handle.keys()})
+    if cfg.lora.quantize_base == "nf4":
+        base = nf4.round_trip(base, lora.apply(build_meta_model(config, cfg.model), cfg.lora), cfg.lora)
+    return lora.merge(base, trained, cfg.lora)
+
+
+def convert(ckpt: Path, out: Path, dtype: str, max_shard_size: str) -> list[Path]:
+    try:
+        model = read_checkpoint(ckpt, dtype)
+        if not model.lora:
+            write_hf(model.weights, out, model.config, model.tokenizer, DTYPES[dtype], max_shard_size)
+            return [out]
+        return _convert_lora(ckpt, model, out, dtype, max_shard_size)
+    except CheckpointError as e:
         raise SystemExit(f"error: {e}") from None
+
+
+def _convert_lora(ckpt: Path, model: CheckpointModel, out: Path, dtype: str, max_shard_size: str) -> list[Path]:
+    """A LoRA checkpoint has the adapters only: as lora.export says, out/adapter (PEFT) and/or out/hf, the
+    base from model.path (the fingerprint recorded at training time must match) with the adapters merged."""
+    cfg = lora_config(ckpt)
     written = []
     if cfg.lora.export in ("adapter", "both"):
-        write_adapter(trained, out / "adapter", cfg.lora, cfg.model.path)
+        write_adapter(model.weights, out / "adapter", cfg.lora, cfg.model.path)
         written.append(out / "adapter")
     if cfg.lora.export in ("merged", "both"):
-        if cfg.model.path is None:
-            raise SystemExit("error: the base was a random init (model.config), not a model directory: only the "
-                             "adapter can be converted; the recipe's own export has the merged model")
-        base = {}
-        for f in sorted(Path(cfg.model.path).glob("*.safetensors")):
-            with safe_open(f, framework="pt") as handle:
-                base.update({k: handle.get_tensor(k) for k in handle.keys()})
-        if cfg.lora.quantize_base == "nf4":  # merged onto the dequantized NF4 base the adapters trained on
-            base = nf4.round_trip(base, lora.apply(build_meta_model(config, cfg.model), cfg.lora), cfg.lora)
-        write_hf(lora.merge(base, trained, cfg.lora), out / "hf", config, tokenizer, DTYPES[dtype], max_shard_size)
+        write_hf(merged_lora(cfg, model.weights, model.config), out / "hf", model.config, model.tokenizer, DTYPES[dtype],
+                 max_shard_size)
         written.append(out / "hf")
     return written
 
