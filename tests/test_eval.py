@@ -15,7 +15,7 @@ from helpers.procs import BIN, launch, run_recipe
 
 pytest.importorskip("lm_eval")
 
-from llmtrain import eval as harness  # noqa: E402
+from llmtrain import eval as harness
 
 DEMO_TASKS = REPO / "assets" / "eval" / "demo"
 LIMIT = "12"  # documents per task: every request type, a few seconds on the tiny model
