@@ -112,8 +112,8 @@ def _convert_lora(ckpt: Path, model: CheckpointModel, out: Path, dtype: str, max
         write_adapter(model.weights, out / "adapter", cfg.lora, cfg.model.path)
         written.append(out / "adapter")
     if cfg.lora.export in ("merged", "both"):
-        write_hf(merged_lora(cfg, model.weights, model.config), out / "hf", model.config, model.tokenizer, DTYPES[dtype],
-                 max_shard_size)
+        write_hf(merged_lora(cfg, model.weights, model.config), out / "hf", model.config, model.tokenizer,
+                 DTYPES[dtype], max_shard_size)
         written.append(out / "hf")
     return written
 

@@ -371,7 +371,9 @@ def compare(paths: list[Path]) -> str:
             rows.append([task, metric, filt, *cells])
     header = ["task", "metric", "filter", *names]
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    line = lambda r: " | ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
+
+    def line(r) -> str:
+        return " | ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
     return "\n".join([line(header), "-+-".join("-" * w for w in widths), *map(line, rows)])
 
 
