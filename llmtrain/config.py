@@ -131,12 +131,32 @@ class DataConfig:
 
 
 @dataclass
+class HarnessConfig:
+    tasks: list[str] = field(default_factory=list)
+    """lm-evaluation-harness tasks scored during and after training (names, task YAML files or folders of them;
+    offline: their data must be local files, e.g. assets/eval/demo/); [] disables. Needs llmtrain[eval]."""
+    every_steps: int = ranged("[0, inf)", default=0)
+    """Also score the current weights every N steps (gathered on rank 0, as an export is); 0: at the end only."""
+    at_end: bool = True
+    """Score the final export (output_dir/hf) at the end of training."""
+    limit: float | None = ranged("(0, inf)", default=None)
+    """Examples per task (a fraction of them if < 1), as lm-eval's --limit; None: all."""
+    num_fewshot: int | None = ranged("[0, inf)", default=None)
+    """Few-shot examples per prompt; None: each task's own setting."""
+    batch_size: int = ranged("[1, inf)", default=1)
+    """Requests per forward in the harness."""
+    timeout_s: int = ranged("[1, inf)", default=3600)
+    """How long the other ranks wait for rank 0's scoring before failing."""
+
+
+@dataclass
 class EvalConfig:
     every_steps: int = ranged("[0, inf)", default=0)
     """Evaluate val_loss / val_ppl (recipes/dpo.py: val_loss, val_rewards/*, val_logps/*) on all ranks every N
     steps (and at the end); 0 disables."""
     max_batches: int = ranged("[0, inf)", default=0)
     """Micro-batches per rank per evaluation; 0 evaluates the whole validation set."""
+    harness: HarnessConfig = field(default_factory=HarnessConfig)
 
 
 @dataclass

@@ -76,10 +76,20 @@ def write_adapter(trained: dict[str, torch.Tensor], out: Path, section: LoraConf
     publish(tmp, out)
 
 
+def hf_state(model: nn.Module, strategy: Strategy, device: torch.device,
+             lora_section: LoraConfig | None = None) -> dict[str, torch.Tensor]:
+    """Collective: the model by its Hugging Face names, on rank 0's CPU ({} on the other ranks); with
+    lora_section (enabled), the adapters merged into the base (a QLoRA base dequantized first)."""
+    state = strategy.full_state_dict(model, device)
+    if lora_section is None or not state:
+        return state
+    return lora.merged_state({k: nf4.dequantized(v) for k, v in state.items()}, lora_section)
+
+
 def export_hf(model: nn.Module, strategy: Strategy, device: torch.device, out: str | Path, config, tokenizer,
               dtype: torch.dtype = torch.float32, max_shard_size: str = "5GB") -> None:
     """Collective: all ranks gather, rank 0 writes, all ranks wait until the export is complete."""
-    state = strategy.full_state_dict(model, device)
+    state = hf_state(model, strategy, device)
     if dist.get_rank() == 0:
         write_hf(state, Path(out), config, tokenizer, dtype, max_shard_size)
     dist.barrier()
@@ -98,11 +108,10 @@ def export_lora(model: nn.Module, strategy: Strategy, device: torch.device, outp
             write_adapter(adapters, out, section, base_path)
         written.append(out)
     if section.export in ("merged", "both"):
-        state = strategy.full_state_dict(model, device)
+        state = hf_state(model, strategy, device, section)
         out = output_dir / "hf" / step_dir
-        if dist.get_rank() == 0:  # a QLoRA base merges as the dequantized weights it trained on
-            state = {k: nf4.dequantized(v) for k, v in state.items()}
-            write_hf(lora.merged_state(state, section), out, model_config, tokenizer, dtype, max_shard_size)
+        if dist.get_rank() == 0:
+            write_hf(state, out, model_config, tokenizer, dtype, max_shard_size)
         written.append(out)
     dist.barrier()
     return written

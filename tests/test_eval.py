@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 
 import pytest
 
 from helpers import REPO
-from helpers.procs import BIN, launch, run_recipe
+from helpers.procs import BIN, launch, losses_by_step, read_metrics, run_recipe
 
 pytest.importorskip("lm_eval")
 
@@ -207,3 +208,25 @@ def test_cli_exit_code_and_missing_extra(tmp_path, monkeypatch, capsys):
     with pytest.raises(harness.EvalError, match=r"pip install 'llmtrain\[eval\]'"):
         harness.score(tmp_path, None, ["x"])
 
+
+
+@pytest.mark.slow
+def test_harness_during_training_leaves_training_and_resume_exact(tmp_path):
+    """eval.harness every 2 steps on 2 ranks: harness/<task>/<metric> records at steps 2 and 4 (the last one the
+    final export's), the losses of the same run without it bit for bit, and a resume from the step-2 checkpoint
+    (saved right after an eval) continues with the same losses."""
+    harness = (f"eval.harness.tasks=[{DEMO_TASKS}]", "eval.harness.every_steps=2", f"eval.harness.limit={LIMIT}")
+    two = ("parallel.strategy=ddp", "train.micro_batch_size=2")
+    run_recipe(tmp_path / "run", *two, *harness, "checkpoint.every_steps=2", nproc=2)
+    records = read_metrics(tmp_path / "run")
+    scored = [r for r in records if any(k.startswith("harness/") for k in r)]
+    assert [r["step"] for r in scored] == [2, 4]
+    assert {"harness/demo_facts/acc,none", "harness/demo_recall/exact_match,strip"} <= scored[-1].keys()
+    with_harness = losses_by_step(tmp_path / "run")
+    run_recipe(tmp_path / "plain", *two, nproc=2)
+    assert with_harness == losses_by_step(tmp_path / "plain")
+    (tmp_path / "resumed" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "run" / "checkpoints" / "step_2", tmp_path / "resumed" / "checkpoints" / "step_2")
+    res = run_recipe(tmp_path / "resumed", *two, *harness, nproc=2)
+    assert "resumed at step 2" in res.stdout
+    assert {s: v for s, v in losses_by_step(tmp_path / "resumed").items()} == {3: with_harness[3], 4: with_harness[4]}

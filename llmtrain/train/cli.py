@@ -15,6 +15,7 @@ from llmtrain.config import Config, ConfigError, describe, load_config, to_yaml
 from llmtrain.losses import token as loss_lib
 from llmtrain.models import hf as model_lib
 from llmtrain.models import lora, nf4
+from llmtrain.train import harness
 from llmtrain.train.loop import Preempted
 
 
@@ -48,6 +49,7 @@ def setup(args: argparse.Namespace, config_cls: type[Config] = Config,
     checkpoint.check_resume(cfg.checkpoint)  # which checkpoint, verified, is build()'s choice (collective)
     lora.check(cfg.lora)
     nf4.check(cfg.lora, cfg.parallel.strategy)
+    harness.check(cfg.eval.harness)
     metrics_lib.check(cfg.log)
     loss_lib.check(cfg.train.loss_impl, device.type)
     return cfg

@@ -5,6 +5,7 @@ periodic and final exports."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
@@ -13,6 +14,7 @@ from llmtrain import distributed, optim
 from llmtrain import metrics as metrics_lib
 from llmtrain.metrics import Throughput
 from llmtrain.train.build import Run, export
+from llmtrain.train.harness import Harness
 from llmtrain.train.step import StepResult
 
 
@@ -32,6 +34,7 @@ def loop(run: Run, steps: Iterator[list[dict]], step: Callable[[list[dict]], Ste
                       env.world_size, env.device, run.tokenizer.pad_token_id,
                       *metrics_lib.device_peak_tflops(env.device, cfg.parallel.mixed_precision, cfg.log.peak_tflops))
     metrics.info(perf.describe())
+    harness = Harness(cfg.eval.harness, cfg.lora)
     while state.step < cfg.train.max_steps:
         t0 = time.perf_counter()
         batches = next(steps)
@@ -60,6 +63,8 @@ def loop(run: Run, steps: Iterator[list[dict]], step: Callable[[list[dict]], Ste
         if evaluate and cfg.eval.every_steps and (state.step % cfg.eval.every_steps == 0 or last):
             if record := evaluate(state.step):
                 metrics.log({"step": state.step, **record})
+        if harness.due(state.step, last):
+            metrics.log({"step": state.step, **harness.score_current(run)})
         ckpt.poll()
         preempted, timer = distributed.any_rank(run.preemption.signal is not None, ckpt.timer_fired(),
                                                 device=env.device)
@@ -78,5 +83,9 @@ def loop(run: Run, steps: Iterator[list[dict]], step: Callable[[list[dict]], Ste
     if final_export:
         out = export(run, "")
         metrics.info(f"exported {' and '.join(map(str, out))}")
+    if harness.at_end():
+        hf = Path(cfg.output_dir) / "hf"
+        scores = harness.score_export(run, hf) if final_export and hf in out else harness.score_current(run)
+        metrics.log({"step": state.step, **scores})
     metrics.close()
     return run.model
