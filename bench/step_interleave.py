@@ -7,7 +7,7 @@ alternated step by step, so that load from other processes hits all of them alik
 launches on a shared machine differ by more than the effect measured):
 
   recipe     the recipe's loop body: next batch from llmtrain.data (packed rows with position_ids),
-             llmtrain.step.train_step (token-weighted chunked loss, all-reduces, clipping, AdamW), the
+             llmtrain.train.step.accumulate (token-weighted chunked loss, all-reduces, clipping, AdamW), the
              per-step preemption all-reduce
   recipe, arange positions   the same with position_ids 0..seq_len-1 (no block-causal mask)
   recipe, train.loss_impl=full   the same with the full-logits loss

@@ -37,7 +37,7 @@ from llmtrain.losses.policy import GRPOConfig  # noqa: E402
 from llmtrain.losses.token import TokenLoss, next_token_targets  # noqa: E402
 from llmtrain.data.formats import IGNORE  # noqa: E402
 from llmtrain.models import hf as model_lib, lora  # noqa: E402
-from llmtrain.step import StepResult, update  # noqa: E402
+from llmtrain.train.step import StepResult, update  # noqa: E402
 
 USAGE = """\
 GRPO / DAPO / Dr. GRPO with DDP, FSDP or FSDP2 on GPUs (NCCL) or CPUs (gloo). DRAFT.

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
+import importlib
+import pkgutil
 import math
 import typing
 
 import pytest
 
-from helpers import RECIPE, REPO, TINY
+from helpers import RECIPE, TINY
 from helpers.procs import launch
-from llmtrain.config import ConfigError, Range, describe, load_config, to_yaml
+from llmtrain import losses
+from llmtrain.config import Config, ConfigError, Range, describe, load_config, to_yaml
 from llmtrain.losses.preference import DPOConfig
-from llmtrain.train.recipe import Recipe
 
 
 def test_yaml_and_overrides_are_typed():
@@ -126,14 +127,11 @@ def _numeric_keys(cls: type, prefix: str = ""):
 
 
 def _recipe_configs() -> list[type]:
-    """Every recipe's config class (recipes/*.py): the shared sections plus each recipe's own (dpo.*, ...)."""
-    found = []
-    for path in sorted((REPO / "recipes").glob("[!_]*.py")):
-        spec = importlib.util.spec_from_file_location(f"recipe_{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        found += [v.config_cls for v in vars(module).values() if isinstance(v, type) and issubclass(v, Recipe)]
-    return list(dict.fromkeys(found))
+    """Every recipe's config class: Config and its subclasses, which live with their losses (dpo.* in
+    llmtrain/losses/preference.py, grpo.* in llmtrain/losses/policy.py)."""
+    for module in pkgutil.iter_modules(losses.__path__):
+        importlib.import_module(f"llmtrain.losses.{module.name}")
+    return [Config, *Config.__subclasses__()]
 
 
 # (key, field, annotation, the config class to load it with), each key once
@@ -194,6 +192,7 @@ def test_each_range_refuses_just_outside_and_takes_just_inside(key, f, tp, cls):
         assert _value(load_config(TINY, _override(key, value), cls), key) == value
 
 
+@pytest.mark.slow
 def test_negative_lora_alpha_exits_2_with_one_line():
     res = launch([RECIPE, "--config", TINY, "lora.enabled=true", "lora.alpha=-1"], torchrun=False, timeout=60)
     assert res.returncode == 2 and res.stdout == ""
