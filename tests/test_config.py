@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import pkgutil
 import math
 import typing
 
 import pytest
 
-from helpers import RECIPE, TINY
+from helpers import RECIPE, TINY, recipe_configs
 from helpers.procs import launch
-from llmtrain import losses
-from llmtrain.config import Config, ConfigError, Range, describe, load_config, to_yaml
+from llmtrain.config import ConfigError, Range, describe, load_config, to_yaml
 from llmtrain.losses.preference import DPOConfig
 
 
@@ -126,16 +123,8 @@ def _numeric_keys(cls: type, prefix: str = ""):
             yield key, f, tp
 
 
-def _recipe_configs() -> list[type]:
-    """Every recipe's config class: Config and its subclasses, which live with their losses (dpo.* in
-    llmtrain/losses/preference.py, grpo.* in llmtrain/losses/policy.py)."""
-    for module in pkgutil.iter_modules(losses.__path__):
-        importlib.import_module(f"llmtrain.losses.{module.name}")
-    return [Config, *Config.__subclasses__()]
-
-
 # (key, field, annotation, the config class to load it with), each key once
-NUMERIC = list({key: (key, f, tp, cls) for cls in _recipe_configs() for key, f, tp in _numeric_keys(cls)}.values())
+NUMERIC = list({key: (key, f, tp, cls) for cls in recipe_configs() for key, f, tp in _numeric_keys(cls)}.values())
 
 
 def _override(key: str, value) -> list[str]:
@@ -181,13 +170,14 @@ def test_each_range_refuses_just_outside_and_takes_just_inside(key, f, tp, cls):
     valid: Range = f.metadata["range"]
     default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
     assert all(v is None or v in valid for v in (default if isinstance(default, list) else [default]))
-    outside, inside = _edges(valid, tp is int)
+    is_int = int in (tp, *typing.get_args(tp))  # int | None too
+    outside, inside = _edges(valid, is_int)
     assert outside and inside
     named = f"{key}[0]" if key == "train.betas" else key
-    for value in outside if tp is int else [*outside, math.nan]:
+    for value in outside if is_int else [*outside, math.nan]:
         with pytest.raises(ConfigError) as e:
             load_config(TINY, _override(key, value), cls)
-        assert str(e.value) == f"{named} must be {valid}, got {value if tp is int else float(value)!r}"
+        assert str(e.value) == f"{named} must be {valid}, got {value if is_int else float(value)!r}"
     for value in inside:
         assert _value(load_config(TINY, _override(key, value), cls), key) == value
 

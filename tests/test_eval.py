@@ -75,6 +75,7 @@ def test_export_scores_equal_lm_eval_cli(tiny_run, export_results, tmp_path):
                                                               "acc_stderr,none"}
 
 
+@pytest.mark.slow
 def test_checkpoint_scores_equal_its_export(tiny_run, export_results):
     """The DCP checkpoint, converted in memory, scores exactly as the export written from the same weights."""
     scores = harness.score(tiny_run / "checkpoints" / "step_4", None, [str(DEMO_TASKS)], limit=int(LIMIT))
@@ -83,6 +84,7 @@ def test_checkpoint_scores_equal_its_export(tiny_run, export_results):
                            "harness/demo_recall/exact_match,strip"}
 
 
+@pytest.mark.slow
 def test_score_in_memory_model_leaves_rng_and_mode(tiny_run, export_results):
     """The recipes' call: an in-memory model scores as its directory does, and neither the RNG streams
     (simple_evaluate seeds them all) nor train mode move."""
@@ -133,6 +135,7 @@ def test_two_processes_score_as_one(tiny_run, export_results, tmp_path):
     assert json.loads(out.read_text())["results"] == export_results["results"]
 
 
+@pytest.mark.slow
 def test_compare_prints_files_side_by_side(export_results, tmp_path, capsys):
     a, b = tmp_path / "base.json", tmp_path / "tuned.json"
     a.write_text(json.dumps(export_results))
@@ -160,6 +163,7 @@ GOOD_TASK = (DEMO_TASKS / "demo_facts.yaml").read_text()
 @pytest.mark.parametrize("case", ["missing model", "missing checkpoint state", "adapter without base",
                                   "unknown task", "malformed yaml", "missing data file", "hub dataset",
                                   "missing task file"])
+@pytest.mark.slow
 def test_bad_input_exits_2_with_one_line(case, tiny_run, tmp_path, capsys):
     model, tasks = tiny_run / "hf", str(DEMO_TASKS)
     if case == "missing model":
