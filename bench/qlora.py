@@ -8,6 +8,11 @@ extra time goes, measured on this machine's one thread per rank: dequantizing ev
 dequantizes a weight in the forward and again for the input gradient), the rest being LoRA's own step.
 
     python bench/qlora.py [--size 600M] [--steps 5] [--warmup 2] [--out DIR]
+    python bench/qlora.py --estimate     # the fit table of docs/lora.md (no training; a few seconds)
+
+--estimate measures bytes per parameter (an NF4Tensor's storage, torchao's to_nf4 at block 64 / scaler 256)
+and one decoder layer's saved activations per token (autograd's saved-tensor hooks on a meta-device layer
+with r=16 adapters, bf16: no memory, no compute), then adds them up for Llama-3.1 8B and 70B shapes.
 """
 
 from __future__ import annotations
@@ -66,13 +71,107 @@ def dequant_seconds(shape: dict, repeat: int = 3) -> float:
     return total * shape["num_hidden_layers"]
 
 
+# name: (Llama shape, parameters outside the block linears: embeddings + output layer + norms)
+FIT_SHAPES = {"8B": (dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                          num_key_value_heads=8), 1.05e9),
+              "70B": (dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                           num_key_value_heads=8), 2.10e9)}
+CARDS_GB = (24, 48, 80)
+ROW_TOKENS = 4096
+OVERHEAD = 3e9  # per card: CUDA context, allocator slack, one logits chunk (train.loss_impl=chunked), comms buffers
+
+
+def nf4_bytes_per_param() -> float:
+    import torch
+
+    from llmtrain.models import nf4
+
+    w = torch.randn(4096, 4096, dtype=torch.bfloat16)
+    return nf4.nbytes(nf4._torchao().to_nf4(w, 64, 256)) / w.numel()
+
+
+def layer_activation_bytes(shape: dict) -> tuple[float, int]:
+    """(bytes autograd saves per token in one bf16 decoder layer with r=16 adapters on a frozen base, without
+    checkpointing; the layer's block linear parameters). Measured at two lengths on the meta device (lengths no
+    weight dimension equals, so that the frozen weights autograd keeps for the input gradient are told apart and
+    left out) and fitted a + b * tokens: b is the math attention's score matrix (a flash kernel saves none), a is
+    reported. An upper bound: an input read by several adapters (q, k, v) is counted once per reader."""
+    import torch
+    from peft import LoraConfig, inject_adapter_in_model
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    config = LlamaConfig(**shape)
+    config._attn_implementation = "sdpa"
+    head = shape["hidden_size"] // shape["num_attention_heads"]
+    per_token = []
+    with torch.device("meta"):
+        layer = LlamaDecoderLayer(config, 0).to(torch.bfloat16).requires_grad_(False)
+        linears = sum(p.numel() for p in layer.parameters() if p.dim() == 2)
+        layer = inject_adapter_in_model(LoraConfig(r=16, target_modules="all-linear"), layer)
+        for tokens in (1000, 1500):
+            x = torch.randn(1, tokens, shape["hidden_size"], dtype=torch.bfloat16, requires_grad=True)
+            rope = torch.randn(1, tokens, head, dtype=torch.bfloat16)
+            saved = []
+            def pack(t, tokens=tokens, saved=saved):
+                saved.append(t.nbytes if tokens in t.shape else 0)
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                layer(x, position_embeddings=(rope, rope), attention_mask=None)
+            per_token.append(sum(saved) / tokens)
+    slope = (per_token[1] - per_token[0]) / 500
+    return per_token[0] - slope * 1000, linears
+
+
+def estimate() -> None:
+    nf4_b = nf4_bytes_per_param()
+    print(f"bytes per parameter: NF4 base {nf4_b:.4f} (measured), bf16 base 2, full fine-tuning 16 (fp32 weight, "
+          f"gradient, 2 AdamW moments), adapters 16\n")
+    print(f"| model | run | weights + trained state | activations per {ROW_TOKENS}-token row (checkpointed) | "
+          + " | ".join(f"{gb} GB cards" for gb in CARDS_GB) + " |")
+    print("| --- | --- | --- | --- | " + " | ".join("---" for _ in CARDS_GB) + " |")
+    for name, (shape, other) in FIT_SHAPES.items():
+        per_layer, linears = layer_activation_bytes(shape)
+        layers, hidden = shape["num_hidden_layers"], shape["hidden_size"]
+        adapters = layers * 16 * sum(i + o for i, o in _linear_dims(shape))
+        blocks = layers * linears
+        # checkpointing keeps each layer's input (bf16) and recomputes one layer at a time
+        acts = ROW_TOKENS * (layers * 2 * hidden + per_layer)
+        # (run, sharded weights + trained state, one gathered layer: QLoRA's in NF4, full's with fp32 gradients)
+        for run, sharded, gathered in (("QLoRA", blocks * nf4_b + other * 2 + adapters * 16, linears * nf4_b),
+                                       ("LoRA (bf16 base)", (blocks + other) * 2 + adapters * 16, linears * 2),
+                                       ("full", (blocks + other) * 16, linears * 6)):
+            cards = []
+            for gb in CARDS_GB:
+                room = gb * 1e9 - OVERHEAD - acts - gathered
+                cards.append(f"{max(1, -(-sharded // room)):.0f}" if room > 0 else "-")
+            print(f"| {name} | {run} | {sharded / 1e9:.1f} GB | {acts / 1e9:.2f} GB | " + " | ".join(cards) + " |")
+    print(f"\ncards: the fewest that hold it with fsdp2 (weights and state sharded, one gathered layer, "
+          f"{OVERHEAD / 1e9:.0f} GB fixed per card), micro-batch 1 x {ROW_TOKENS} tokens, activation checkpointing, "
+          f"bf16 compute; one recomputed layer saves {per_layer:.0f} bytes per token "
+          f"({per_layer / hidden:.0f} x hidden, "
+          "the last model's)")
+
+
+def _linear_dims(shape: dict) -> list[tuple[int, int]]:
+    """(in, out) of q k v o gate up down."""
+    h, i = shape["hidden_size"], shape["intermediate_size"]
+    kv = shape["num_key_value_heads"] * (h // shape["num_attention_heads"])
+    return [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", default="600M", choices=sorted(SIZES))
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the step-time median")
     p.add_argument("--out", type=Path, default=None, help="keep the runs here (default: a temporary directory)")
+    p.add_argument("--estimate", action="store_true", help="print the fit table only")
     args = p.parse_args()
+    if args.estimate:
+        estimate()
+        return 0
     root = args.out or Path(tempfile.mkdtemp(prefix="bench_qlora_"))
     shape, base = SIZES[args.size], root / "base"
     if not (base / "model.safetensors").is_file():
