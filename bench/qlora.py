@@ -34,7 +34,6 @@ from lora import COMMON_SHAPE, LORA, SIZES, WORLD, save_base
 
 BF16 = [*LORA, "lora.base_dtype=bf16", "parallel.mixed_precision=bf16"]
 RUNS = {"LoRA r=16, bf16 base": BF16, "QLoRA r=16, nf4 base": [*BF16, "lora.quantize_base=nf4"]}
-MICRO, SEQ = 2, 128
 NF4_LINE = re.compile(r"nf4: \d+ block linear weights \(\S+M parameters\) at (\S+) MiB per rank with scales vs "
                       r"(\S+) MiB in bf16")
 
@@ -167,6 +166,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the step-time median")
     p.add_argument("--out", type=Path, default=None, help="keep the runs here (default: a temporary directory)")
+    p.add_argument("--micro", type=int, default=2, help="rows per micro-batch")
+    p.add_argument("--seq", type=int, default=128, help="tokens per row")
     p.add_argument("--estimate", action="store_true", help="print the fit table only")
     args = p.parse_args()
     if args.estimate:
@@ -176,8 +177,8 @@ def main() -> int:
     shape, base = SIZES[args.size], root / "base"
     if not (base / "model.safetensors").is_file():
         save_base(base, shape)
-    common = [f"model.path={base}", "data.path=data/demo/train.jsonl", f"data.seq_len={SEQ}",
-              "parallel.strategy=fsdp2", f"train.micro_batch_size={MICRO}", f"train.max_steps={args.steps}",
+    common = [f"model.path={base}", "data.path=data/demo/train.jsonl", f"data.seq_len={args.seq}",
+              "parallel.strategy=fsdp2", f"train.micro_batch_size={args.micro}", f"train.max_steps={args.steps}",
               "train.warmup_steps=0", "log.every_steps=1", "log.progress=false", "distributed.preflight=false",
               "train.lr=1e-4"]
     load = os.getloadavg()
@@ -196,8 +197,8 @@ def main() -> int:
     load = tuple(max(a, b) for a, b in zip(load, os.getloadavg()))
     (lora_base, lora_peak, lora_step), (q_base, q_peak, q_step) = rows.values()
     print(f"\n{args.size} ({shape['hidden_size']} x {shape['num_hidden_layers']}), vocab {COMMON_SHAPE['vocab_size']}, "
-          f"{WORLD} ranks, fsdp2, bf16 compute, micro-batch {MICRO} x {SEQ} tokens, {args.steps} steps, step time = "
-          f"median after {args.warmup}; load average (1/5/15 min, the higher of start and end) "
+          f"{WORLD} ranks, fsdp2, bf16 compute, micro-batch {args.micro} x {args.seq} tokens, {args.steps} steps, "
+          f"step time = median after {args.warmup}; load average (1/5/15 min, the higher of start and end) "
           + "/".join(f"{x:.1f}" for x in load) + f" on {os.cpu_count()} cores\n")
     print("| run | base weights / rank | vs LoRA | peak host memory / rank | vs LoRA | step time | vs LoRA |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

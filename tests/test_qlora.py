@@ -318,6 +318,7 @@ def qlora_runs(tmp_path_factory, base) -> dict[str, Path]:
         "ddp": (2, ("parallel.strategy=ddp", "train.micro_batch_size=1", "train.grad_accum_steps=2", NF4), sft),
         "fsdp2": (2, ("parallel.strategy=fsdp2", "train.micro_batch_size=2", "checkpoint.every_steps=2", NF4), sft),
         "fsdp2_1": (1, ("parallel.strategy=fsdp2", "train.micro_batch_size=1", "train.grad_accum_steps=4", NF4), sft),
+        "hsdp": (2, ("parallel.strategy=fsdp2", "parallel.replicate=2", "train.micro_batch_size=2", NF4), sft),
         "bf16": (2, (*BF16, NF4), sft),
         "dpo": (1, ("parallel.strategy=none", *dpo, NF4), dpo_script),
         "dpo_pre": (1, ("parallel.strategy=none", *dpo, "dpo.precompute_reference=true", NF4), dpo_script),
@@ -348,7 +349,7 @@ def test_qlora_losses_match_across_strategies_ranks_and_accumulation(qlora_runs)
     from helpers.procs import losses
 
     ref = losses(qlora_runs["none"])
-    for name in ("ddp", "fsdp2", "fsdp2_1"):
+    for name in ("ddp", "fsdp2", "fsdp2_1", "hsdp"):  # fsdp2_1, hsdp: shard groups of one rank
         assert losses(qlora_runs[name]) == pytest.approx(ref, abs=TOL), name
 
 
