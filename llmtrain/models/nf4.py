@@ -25,6 +25,8 @@ of 256 scales), the shard is stored with a finer scaler group (gcd with its numb
 scales and fp32 factors are the whole weight's, the factor repeated: the same values as under none/ddp, a few
 more fp32 factors. Only rows or blocks that do not split evenly over the ranks (a weight of 30 rows on 4 ranks)
 leave that weight in full precision on that run, with a warning naming it: 2-D weights of real models split.
+A shard group of one rank (fsdp2 on one process, HSDP with one shard per replica) holds its weights whole
+outside FSDP2 (_release: torch 2.13's one-rank unshard copies one all-gather input, NF4 has three).
 
 Why torchao and not bitsandbytes: NF4Tensor is plain PyTorch (the CPU tests run the GPU code path), it
 implements FSDP2's all-gather extension and shards as a DTensor whose local piece stays 4-bit; bitsandbytes'
