@@ -18,7 +18,8 @@
 #      have torch, transformers, accelerate, safetensors but not datasets), config bench/gpu-1b.yaml:
 #      a ~1.2B Llama (hidden 2048, 16 layers, 32 heads, 8 KV heads, intermediate 8192, vocab 128256),
 #      seq_len 2048, micro-batch 4, FSDP2 + bf16, 1 GPU. Four runs: eager, compile, activation
-#      checkpointing, both. tokens/s and MFU (peak from llmtrain.metrics.PEAK_TFLOPS by GPU name,
+#      checkpointing, both; and LoRA r=16 on a bf16 base vs QLoRA (NF4 base), after eager. tokens/s
+#      and MFU (peak from llmtrain.metrics.PEAK_TFLOPS by GPU name,
 #      H200: 989.4 bf16 TFLOP/s dense) are the recipe's own metrics, after 10 warm-up steps.
 #   4. a markdown table of the runs (bench/gpu_train.py --table), also saved to $RESULTS/table.md
 set -uo pipefail
@@ -59,7 +60,13 @@ checks_rc=${PIPESTATUS[0]}
 [[ $checks_rc == 0 ]] || echo "checks: exit $checks_rc (see $RESULTS/checks.err); continuing with the throughput runs"
 
 echo "== throughput: $CONFIG, $STEPS steps, table after $WARMUP warm-up steps"
+# lora / qlora: LoRA r=16 on a bf16 base vs QLoRA (lora.quantize_base=nf4, needs peft and torchao: a missing
+# package ends that row at start with the pip line); their tokens/s ratio is the GPU's QLoRA step-time cost
+# (CPU: bench/qlora.py; torchtune's published GPU ratio is ~1.28x).
+LORA="lora.enabled=true lora.r=16 lora.alpha=32 lora.dropout=0 lora.base_dtype=bf16 lora.export=adapter"
 variants=("eager|"
+          "lora|$LORA"
+          "qlora|$LORA lora.quantize_base=nf4"
           "compile|parallel.compile=true"
           "ac|parallel.activation_checkpointing=true"
           "ac+compile|parallel.activation_checkpointing=true parallel.compile=true")

@@ -47,6 +47,7 @@ def check_paths(section: ModelConfig, tokenizer_path: str | None) -> None:
         if not (Path(section.path) / "config.json").is_file():
             raise ConfigError(f"model.path: {section.path} has no config.json (not a Hugging Face model directory)")
         check_causal_lm(section.path)
+        check_not_quantized(section.path)
         check_weights(Path(section.path))
 
 
@@ -62,6 +63,18 @@ def check_causal_lm(path: str) -> None:
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and "AutoModelForCausalLM" not in hf.get("auto_map", {}):
         raise ConfigError(f"model.path: {path} has model_type {model_type!r}, which transformers has no causal "
                           "LM class for")
+
+
+def check_not_quantized(path: str) -> None:
+    """A pre-quantized checkpoint (bitsandbytes, GPTQ, AWQ...: config.json's quantization_config) is refused:
+    its packed weights and quant state are not the full-precision tensors the loader shards, and a
+    bitsandbytes base would not survive FSDP2's sharded state dict. QLoRA quantizes at load instead."""
+    quant = json.loads((Path(path) / "config.json").read_text()).get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "unknown method") if isinstance(quant, dict) else quant
+        raise ConfigError(f"model.path: {path} is quantized (config.json quantization_config: {method}); llmtrain "
+                          "loads full-precision weights: point model.path at the original (unquantized) model, and "
+                          "set lora.quantize_base=nf4 for a 4-bit base (QLoRA, quantized as it loads)")
 
 
 def check_weights(path: Path) -> None:

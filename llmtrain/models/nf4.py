@@ -25,6 +25,8 @@ of 256 scales), the shard is stored with a finer scaler group (gcd with its numb
 scales and fp32 factors are the whole weight's, the factor repeated: the same values as under none/ddp, a few
 more fp32 factors. Only rows or blocks that do not split evenly over the ranks (a weight of 30 rows on 4 ranks)
 leave that weight in full precision on that run, with a warning naming it: 2-D weights of real models split.
+A shard group of one rank (fsdp2 on one process, HSDP with one shard per replica) holds its weights whole
+outside FSDP2 (_release: torch 2.13's one-rank unshard copies one all-gather input, NF4 has three).
 
 Why torchao and not bitsandbytes: NF4Tensor is plain PyTorch (the CPU tests run the GPU code path), it
 implements FSDP2's all-gather extension and shards as a DTensor whose local piece stays 4-bit; bitsandbytes'
@@ -151,17 +153,18 @@ def quantize_(model: nn.Module, section: LoraConfig) -> Report:
             report.skipped[name] = why
             log.warning("nf4: %s stays in %s on this run: %s", name, local.dtype, why)
             continue
-        q = _quantize_local(local, section.nf4_block_size, scaler, group)
+        alone = group is not None and dist.get_world_size(group) == 1
+        q = _quantize_local(local, section.nf4_block_size, scaler, None if alone else group)
         if q.scaler_block_size != scaler:
             report.finer_groups[name] = q.scaler_block_size
-        if isinstance(weight, DTensor):
+        if isinstance(weight, DTensor) and not alone:
             new = DTensor(local_tensor=q, spec=weight._spec, requires_grad=False)
         else:
             new = q
         param = nn.Parameter(new, requires_grad=False)
         setattr(module, attr, param)
         if name in fsdp_params:
-            _adopt(fsdp_params[name], param)
+            (_release if alone else _adopt)(*fsdp_params[name], param)
         del weight, local
         report.weights += 1
         report.params += q.numel()
@@ -237,7 +240,7 @@ def _lut(like: torch.Tensor) -> torch.Tensor:
 
 
 def _fsdp_params(model: nn.Module) -> dict[str, object]:
-    """{clean name: FSDP2's FSDPParam} for the parameters fully_shard manages."""
+    """{clean name: (FSDP2's FSDPParam, its FSDPParamGroup)} for the parameters fully_shard manages."""
     from torch.distributed.fsdp import FSDPModule
 
     names = {id(m): n for n, m in model.named_modules()}
@@ -248,11 +251,11 @@ def _fsdp_params(model: nn.Module) -> dict[str, object]:
         for group in module._get_fsdp_state()._fsdp_param_groups:
             for fp in group.fsdp_params:
                 owner, attr = names[id(fp._module_info.module)], fp._module_info.param_name
-                out[clean_name(f"{owner}.{attr}" if owner else attr)] = fp
+                out[clean_name(f"{owner}.{attr}" if owner else attr)] = fp, group
     return out
 
 
-def _adopt(fsdp_param, param: nn.Parameter) -> None:
+def _adopt(fsdp_param, param_group, param: nn.Parameter) -> None:
     """FSDP2 learns a parameter's all-gather extension (fsdp_pre/post_all_gather) when fully_shard runs, on
     the meta model, before the weights exist; torch 2.13 has no public way to change it afterwards. Point it
     at the NF4 shard (even: _shard_group made sure, so there is no padding) as reset_sharded_param would after
@@ -260,6 +263,15 @@ def _adopt(fsdp_param, param: nn.Parameter) -> None:
     fsdp_param.sharded_param = param
     fsdp_param._sharded_param_data = param.to_local().view(-1)
     fsdp_param._init_extensions()
+
+
+def _release(fsdp_param, param_group, param: nn.Parameter) -> None:
+    """A shard group of one rank (fsdp2 on 1 process, HSDP with parallel.replicate = world size) holds the
+    weight whole, with nothing to gather: torch 2.13's FSDP2 then copies the first all-gather input only
+    (FSDPParamGroup.wait_for_unshard's world-size-1 path), which breaks NF4's three (data, scales, factors).
+    Such a weight leaves FSDP2's management and stays a plain NF4Tensor, as under none/ddp (frozen: no
+    gradient to reduce)."""
+    param_group.fsdp_params.remove(fsdp_param)
 
 
 def nbytes(t: torch.Tensor) -> int:
