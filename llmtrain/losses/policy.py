@@ -33,7 +33,8 @@ Each micro-batch gives sums (policy_sums), the caller all-reduces the counts (po
 and objective() divides, so 1 or 2 ranks and any accumulation split give the same loss and gradients.
 
 Metrics, TRL's names, each a mean over the global batch's trained tokens (TRL: per micro-batch, the
-same over one micro-batch): kl (beta > 0; the k3 term as in the loss, ratio-weighted or not), clip_ratio/low_mean (ρ < 1 - epsilon with A < 0),
+same over one micro-batch): kl (beta > 0; the k3 term as in the loss, ratio-weighted or not),
+clip_ratio/low_mean (ρ < 1 - epsilon with A < 0),
 clip_ratio/high_mean (ρ > 1 + epsilon_high with A > 0), clip_ratio/region_mean (either); and over the
 completions with a trained token, the smallest fraction of low-clipped tokens (clip_ratio/low_min) and the
 largest of high-clipped ones (clip_ratio/high_max), as TRL's nanmin / nanmax. Reward metrics
@@ -122,7 +123,8 @@ def check(section: GRPOSection) -> None:
     if s.beta < 0:
         raise ConfigError("grpo.beta must be >= 0")
     if s.loss_type not in LOSS_TYPES:
-        raise ConfigError(f"grpo.loss_type: {s.loss_type!r} is not a valid choice; choose one of {', '.join(LOSS_TYPES)}")
+        raise ConfigError(f"grpo.loss_type: {s.loss_type!r} is not a valid choice; choose one of "
+                          f"{', '.join(LOSS_TYPES)}")
     if s.scale_rewards not in SCALE_REWARDS:
         raise ConfigError(f"grpo.scale_rewards: {s.scale_rewards!r} is not a valid choice; choose one of "
                           f"{', '.join(SCALE_REWARDS)}")
@@ -234,7 +236,8 @@ def policy_sums(logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Tenso
     with torch.no_grad():
         low = (ratio < 1 - epsilon) & (adv < 0)
         high_clipped = (ratio > 1 + high) & (adv > 0)
-        metrics = torch.stack([(kl * m).sum(), (low * m).sum(), (high_clipped * m).sum(), ((low | high_clipped) * m).sum()])
+        metrics = torch.stack([(kl * m).sum(), (low * m).sum(), (high_clipped * m).sum(),
+                               ((low | high_clipped) * m).sum()])
         scored = m.sum(1) > 0
         n = m.sum(1)[scored]
         inf = torch.tensor(float("inf"), device=m.device)
@@ -254,13 +257,15 @@ def objective(sums: PolicySums, totals: torch.Tensor, loss_type: str, max_comple
     return sums.loss / tokens.clamp(min=1)  # bnpo, dapo
 
 
-def metrics(summed: torch.Tensor, minima: torch.Tensor, tokens: float, beta: float) -> dict[str, float]:
+def metrics(summed: torch.Tensor, minima: torch.Tensor | None, tokens: float, beta: float) -> dict[str, float]:
     """METRICS as means over trained tokens, from PolicySums.metrics summed over micro-batches and ranks
     (kl only with beta > 0, as TRL logs it), and EXTREMES from PolicySums.minima combined with MIN (left
     out when no completion had a trained token)."""
     out = {name: value / max(tokens, 1) for name, value in zip(METRICS, summed.tolist())}
     if not beta:
         del out["kl"]
+    if minima is None:  # not combined with MIN (the shared accumulation sums)
+        return out
     low, neg_high = minima.tolist()
     if low != float("inf"):
         out.update({EXTREMES[0]: low, EXTREMES[1]: -neg_high})
