@@ -174,7 +174,7 @@ def test_a_failing_reward_function_stops_with_one_line(setup, func, nproc, messa
     assert res.returncode == 1
     lines = [line for line in res.stderr.splitlines() if "reward function" in line]
     assert lines and all(f"reward function {spec} {message}" in line for line in lines), res.stderr[-2000:]
-    assert "Traceback" not in res.stderr
+    assert 'grpo.py", line' not in res.stderr  # no traceback from the workers (torchrun prints its own)
     assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
     assert not (out / "hf").exists() and not (out / "completions.jsonl").exists()
 
