@@ -48,7 +48,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from llmtrain.config import Config, ConfigError
+from llmtrain.config import Config, ConfigError, ranged
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -59,25 +59,25 @@ STD_EPS = 1e-4  # TRL's: A = (r - mean) / (std + 1e-4)
 
 @dataclass
 class GRPOSection:
-    num_generations: int = 8
+    num_generations: int = ranged("[2, inf)", default=8)
     """G: completions sampled per prompt (>= 2); a group's advantages are relative to its own mean."""
-    max_completion_length: int = 256
+    max_completion_length: int = ranged("[1, inf)", default=256)
     """Tokens sampled per completion at most; also dr_grpo's constant denominator."""
-    temperature: float = 1.0
+    temperature: float = ranged("(0, inf)", default=1.0)
     """Sampling temperature; the log-probs of the loss use the same (logits / temperature, as TRL)."""
-    top_p: float = 1.0
+    top_p: float = ranged("(0, 1]", default=1.0)
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1: off)."""
-    top_k: int = 0
+    top_k: int = ranged("[0, inf)", default=0)
     """Keep the top_k most likely tokens only (0: off)."""
-    epsilon: float = 0.2
+    epsilon: float = ranged("[0, 1)", default=0.2)
     """Lower clipping bound of the ratio: 1 - epsilon."""
-    epsilon_high: float | None = None
+    epsilon_high: float | None = ranged("[0, inf)", default=None)
     """Upper clipping bound: 1 + epsilon_high (None: epsilon; DAPO's clip-higher uses 0.28)."""
-    beta: float = 0.0
+    beta: float = ranged("[0, inf)", default=0.0)
     """KL penalty to the reference model (k3 estimator); 0 builds no reference."""
     use_bias_correction_kl: bool = True
     """beta > 0: multiply the per-token KL by the importance ratio (TRL 1.16's default, DeepSeek-V3.2)."""
-    num_iterations: int = 1
+    num_iterations: int = ranged("[1, inf)", default=1)
     """Updates per generation batch (mu); > 1 takes the ratio against the log-probs at sampling time."""
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
     """How per-token losses are aggregated (llmtrain/losses/policy.py's docstring): grpo (mean per completion,
@@ -92,8 +92,8 @@ class GRPOSection:
     """Reward functions, "package.module:function" or "path/to/file.py:function", each called as TRL does:
     f(prompts, completions, completion_ids, **columns) -> list[float | None]. Built-ins:
     llmtrain.rewards:exact_answer, llmtrain.rewards:format_regex."""
-    reward_weights: list[float] | None = None
-    """One weight per reward function (None: all 1)."""
+    reward_weights: list[float] | None = ranged("[0, inf)", default=None)
+    """One weight per reward function (None: all 1); a penalty is a function returning negative rewards."""
 
 
 @dataclass
