@@ -143,6 +143,8 @@ NUMERIC = list({key: (key, f, tp, cls) for cls in _recipe_configs() for key, f, 
 def _override(key: str, value) -> list[str]:
     if key == "train.betas":
         return [f"train.betas=[{value!r}, 0.95]"]
+    if key == "grpo.reward_weights":
+        return [f"grpo.reward_weights=[{value!r}]"]
     if key.startswith("data.sources[0]."):
         return ["data.path=", f"data.sources=[{{path: data/demo/val.jsonl, {key.split('.')[-1]}: {value!r}}}]"]
     return [f"{key}={value!r}"]

@@ -92,8 +92,8 @@ class GRPOSection:
     """Reward functions, "package.module:function" or "path/to/file.py:function", each called as TRL does:
     f(prompts, completions, completion_ids, **columns) -> list[float | None]. Built-ins:
     llmtrain.rewards:exact_answer, llmtrain.rewards:format_regex."""
-    reward_weights: list[float] | None = ranged("[0, inf)", default=None)
-    """One weight per reward function (None: all 1); a penalty is a function returning negative rewards."""
+    reward_weights: list[float] = ranged("[0, inf)", default_factory=list)
+    """One weight per reward function (empty: all 1); a penalty is a function returning negative rewards."""
 
 
 @dataclass
@@ -130,7 +130,7 @@ def check(section: GRPOSection) -> None:
                           f"{', '.join(SCALE_REWARDS)}")
     if not s.reward_funcs:
         raise ConfigError("grpo.reward_funcs: name at least one reward function, e.g. [llmtrain.rewards:exact_answer]")
-    if s.reward_weights is not None and len(s.reward_weights) != len(s.reward_funcs):
+    if s.reward_weights and len(s.reward_weights) != len(s.reward_funcs):
         raise ConfigError(f"grpo.reward_weights: {len(s.reward_weights)} weights for {len(s.reward_funcs)} "
                           "grpo.reward_funcs; give one per function")
 
@@ -147,7 +147,7 @@ def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
 def combine_rewards(per_func: torch.Tensor, weights: list[float] | None) -> torch.Tensor:
     """[completions, functions] rewards (NaN: not applicable) -> weighted nansum per completion, NaN where
     no function applied (TRL's unscorable completions)."""
-    w = per_func.new_tensor(weights if weights is not None else [1.0] * per_func.shape[1])
+    w = per_func.new_tensor(weights or [1.0] * per_func.shape[1])
     rewards = (per_func * w).nansum(1)
     return rewards.masked_fill(torch.isnan(per_func).all(1), float("nan"))
 
