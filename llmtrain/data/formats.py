@@ -135,7 +135,8 @@ def encode_prompt(record: dict, section: DataConfig, tokenizer) -> tuple[list[in
     else:
         raise BadRecord("field 'prompt' is " + ("empty" if isinstance(prompt, str) else
                         "missing" if prompt is None else f"{type(prompt).__name__}, not text or a list of messages"))
-    return list(ids), prompt, {k: v for k, v in record.items() if k != "prompt"}
+    # A column this record lacks reads None (the rows share one schema); the recipe passes None for it too.
+    return list(ids), prompt, {k: v for k, v in record.items() if k != "prompt" and v is not None}
 
 
 @dataclass(frozen=True)
@@ -191,14 +192,16 @@ def _prompt_columns(encoded: tuple[list[int], Any, dict], fmt: Format, section: 
     ids, prompt, columns = encoded
     kept = ids[-section.seq_len:]
     return {"input_ids": kept, "labels": [IGNORE] * len(kept), "position_ids": list(range(len(kept))),
-            "prompt": json.dumps(prompt), "columns": json.dumps(columns), "truncated": len(ids) > len(kept)}
+            # JSON text: a prompt may be text or messages, and the columns anything (one Arrow type each)
+            "prompt_json": json.dumps(prompt), "columns_json": json.dumps(columns), "truncated": len(ids) > len(kept)}
 
 
 def _collate_prompts(rows: list[dict], pad_id: int) -> dict:
     """Prompt rows -> their ids (lists: generation pads them itself), the prompts as written, the other
     columns (dicts) and their positions in the training rows (PROMPT_INDEX; the sampling keys use them)."""
-    return {"prompt_ids": [r["input_ids"].tolist() for r in rows], "prompts": [json.loads(r["prompt"]) for r in rows],
-            "columns": [json.loads(r["columns"]) for r in rows],
+    return {"prompt_ids": [r["input_ids"].tolist() for r in rows],
+            "prompts": [json.loads(r["prompt_json"]) for r in rows],
+            "columns": [json.loads(r["columns_json"]) for r in rows],
             PROMPT_INDEX: torch.stack([r[PROMPT_INDEX] for r in rows])}
 
 
@@ -213,8 +216,8 @@ TOKENS = Rows("tokens", _token_columns, {"input_ids": [], "labels": [], "split":
               packs=True)
 PAIRS = Rows("pairs", _pair_columns, {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "truncated": False},
              packs=False, collate=_collate_pair_rows, index=PAIR_INDEX)
-PROMPTS = Rows("prompts", _prompt_columns, {"input_ids": [], "labels": [], "position_ids": [], "prompt": "null",
-                                            "columns": "{}", "truncated": False},
+PROMPTS = Rows("prompts", _prompt_columns, {"input_ids": [], "labels": [], "position_ids": [], "prompt_json": "null",
+                                            "columns_json": "{}", "truncated": False},
                packs=False, collate=_collate_prompts, index=PROMPT_INDEX)
 
 FORMATS: dict[str, Format] = {f.name: f for f in (
