@@ -46,7 +46,7 @@ def run(name: str, cfg: Path, out: Path, nproc: int, threads: int, *overrides: s
            if nproc > 1 else [sys.executable])
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO)}
     subprocess.run([*cmd, "recipes/grpo.py", "--config", str(cfg), f"output_dir={out / name}", *overrides],
-                   cwd=REPO, env=env, check=True, capture_output=True)
+                   cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)
     return [r for r in map(json.loads, (out / name / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
@@ -61,6 +61,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="bench-grpo-"))
+    out.mkdir(parents=True, exist_ok=True)
     cfg = config(out, args.steps)
     runs = {"fsdp2, 2 ranks x 1 thread": run("fsdp2", cfg, out, 2, 1, "parallel.strategy=fsdp2"),
             "unwrapped, 1 process x 2 threads": run("none", cfg, out, 1, 2, "parallel.strategy=none",
