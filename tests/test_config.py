@@ -187,7 +187,7 @@ def test_each_range_refuses_just_outside_and_takes_just_inside(key, f, tp, cls):
     assert all(v is None or v in valid for v in (default if isinstance(default, list) else [default]))
     outside, inside = _edges(valid, tp is int)
     assert outside and inside
-    named = f"{key}[0]" if key == "train.betas" else key
+    named = f"{key}[0]" if key in ("train.betas", "grpo.reward_weights") else key
     for value in outside if tp is int else [*outside, math.nan]:
         with pytest.raises(ConfigError) as e:
             load_config(TINY, _override(key, value), cls)
