@@ -21,7 +21,9 @@
 #      checkpointing, both; and LoRA r=16 on a bf16 base vs QLoRA (NF4 base), after eager. tokens/s
 #      and MFU (peak from llmtrain.metrics.PEAK_TFLOPS by GPU name,
 #      H200: 989.4 bf16 TFLOP/s dense) are the recipe's own metrics, after 10 warm-up steps.
-#   4. a markdown table of the runs (bench/gpu_train.py --table), also saved to $RESULTS/table.md
+#   4. GRPO (recipes/grpo.py, needs `datasets`): the same model sampling 16 x 128 tokens a step; generation
+#      vs step time and generated tokens/s per step, from its metrics.jsonl (not run on a GPU yet either)
+#   5. a markdown table of the runs (bench/gpu_train.py --table), also saved to $RESULTS/table.md
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -97,6 +99,26 @@ for v in "${variants[@]}"; do
   (( rc == 0 )) || tail -n 5 "$out.log" | sed 's/^/   /'
   dirs+=("$out")
 done
+
+echo "== grpo: recipes/grpo.py on the $CONFIG model, demo prompts, G 8, 128 new tokens, 4 steps"
+# Needs `datasets` (prompts go through llmtrain.data); generation vs training time from its metrics.jsonl.
+remaining=$(( $(left) - 20 ))
+if ! $PY -c "import datasets" 2>/dev/null; then
+  echo "-- grpo: skipped, datasets not installed"
+elif (( remaining < 60 )); then
+  echo "-- grpo: skipped, ${remaining}s left of BUDGET_S=$BUDGET_S"
+else
+  out="$RESULTS/grpo"
+  rm -rf "$out"
+  # shellcheck disable=SC2086
+  timeout -k 5 "$(( remaining < 150 ? remaining : 150 ))" $TORCHRUN --standalone --nproc_per_node=1 recipes/grpo.py \
+      --config "$CONFIG" output_dir="$out" "${EXTRA[@]}" data.path=data/demo/prompts.jsonl data.format=prompt \
+      data.seq_len=64 train.max_steps=4 train.micro_batch_size=16 grpo.num_generations=8 \
+      grpo.max_completion_length=128 "grpo.reward_funcs=[llmtrain.rewards:format_regex]" checkpoint.resume=never \
+      >"$out.log" 2>&1
+  echo "   exit $?; generation vs step time per step:"
+  $PY -c "import json,sys; [print(f'   step {r[\"step\"]}: generation {r[\"generation_s\"]:.2f}s of {r[\"step_time_s\"]:.2f}s, {r[\"generated_tokens_per_s\"]:.0f} generated tok/s, mem {r[\"mem_gb\"]:.1f} GB') for r in map(json.loads, open(sys.argv[1])) if 'loss' in r]" "$out/metrics.jsonl" 2>/dev/null || tail -n 5 "$out.log"
+fi
 
 echo "== results ($(( SECONDS - start ))s so far)"
 if (( ${#dirs[@]} )); then

@@ -24,6 +24,11 @@ class ConfigError(ValueError):
     """A user error in the configuration; the message names the key."""
 
 
+class RunError(RuntimeError):
+    """A failure during training that its one-line message explains (e.g. a reward function that raised):
+    the run stops with exit 1 and that line, no traceback, saving nothing more."""
+
+
 class Range(NamedTuple):
     """An interval of valid values, written "[1, inf)", "(0, inf)", "[0, 1)": a bracket includes its bound."""
     lo: float
@@ -76,7 +81,7 @@ class TokenizerConfig:
 
 # data.format's choices: the names of llmtrain.data.formats.FORMATS (config imports nothing of llmtrain, so the
 # names are repeated here; tests/test_formats.py checks the two agree).
-FormatName = Literal["text", "instruction", "chat", "preference"]
+FormatName = Literal["text", "instruction", "chat", "preference", "prompt"]
 
 
 @dataclass
@@ -95,7 +100,8 @@ class DataConfig:
     """Training data: a file, a glob or a directory (jsonl/json/parquet/csv/txt); or use data.sources."""
     format: FormatName = "text"
     """text: raw documents; instruction: Alpaca-style records; chat: messages (OpenAI or ShareGPT style);
-    preference: {prompt, chosen, rejected} pairs, text or messages (recipes/dpo.py)."""
+    preference: {prompt, chosen, rejected} pairs, text or messages (recipes/dpo.py); prompt: {prompt, ...}
+    prompts, text or messages, the other columns passed to the reward functions (recipes/grpo.py)."""
     sources: list[SourceConfig] | None = None
     """Several sources mixed by weight: [{path, format, weight}, ...] (instead of data.path/format)."""
     seq_len: int = ranged("[1, inf)", default=256)
@@ -277,6 +283,9 @@ class LogConfig:
     """Weights & Biases logging (log.wandb.project turns it on)."""
     peak_tflops: float | None = ranged("(0, inf)", default=None)
     """Peak dense TFLOP/s of one device in the compute dtype, for mfu; default: looked up by GPU name."""
+    completions_every_steps: int = ranged("[0, inf)", default=0)
+    """recipes/grpo.py: every N generation batches (the first included), a few sampled prompts with their
+    completions and rewards to output_dir/completions.jsonl (rank 0); 0: never."""
 
 
 @dataclass

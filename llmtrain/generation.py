@@ -182,6 +182,16 @@ def generate(model: nn.Module, prompts: list[list[int]], keys: list[tuple[int, .
     return Completions(out, mask, mask.sum(1), ~ended)
 
 
+def from_lists(tokens: list[list[int]], truncated: list[bool], pad_id: int) -> Completions:
+    """Completions from each row's tokens (its first EOS included) and truncation, e.g. as a checkpoint holds them."""
+    width = max(1, max(map(len, tokens)))
+    ids = torch.full((len(tokens), width), pad_id, dtype=torch.long)
+    for i, row in enumerate(tokens):
+        ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+    lengths = torch.tensor([len(row) for row in tokens])
+    return Completions(ids, torch.arange(width)[None] < lengths[:, None], lengths, torch.tensor(truncated))
+
+
 def _all_done(done: torch.Tensor, lockstep: bool, device: torch.device) -> bool:
     """This rank's rows all done; in lockstep, every rank's (one all-reduce)."""
     if not lockstep:

@@ -28,13 +28,13 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from llmtrain.config import ConfigError
+from llmtrain.config import ConfigError, RunError
 
 FORMAT = r"(?s).*####\s*\S+\s*$"
 ANSWER = re.compile(r"####\s*(.+?)\s*$", re.S)
 
 
-class RewardError(RuntimeError):
+class RewardError(RunError):
     """A reward function failed or answered wrongly during training; the message is one line."""
 
 

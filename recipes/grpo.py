@@ -1,235 +1,300 @@
 #!/usr/bin/env python
-"""DRAFT. Online RL with verifiable rewards (GRPO, DAPO, Dr. GRPO) of a causal LM with DDP, FSDP or FSDP2.
+"""Online RL with verifiable rewards (GRPO, DAPO, Dr. GRPO) of a causal LM with DDP, FSDP or FSDP2, on GPUs
+(NCCL) or CPU (gloo).
 
     torchrun --nproc_per_node=N recipes/grpo.py --config configs/demo-grpo.yaml [key.sub=value ...]
 
-Written against the recipe API of recipes/dpo.py (trainer.build, trainer.loop with a step function) for
-the lead to port. Its own parts: reading the prompts (load_prompts, until data.format=prompt exists in the
-data registry), the step's prompts (PromptSteps), and the step: generate (llmtrain.generation), score
-(llmtrain.rewards), advantages and loss (llmtrain.losses.policy).
-
-Known gaps of this draft: num_iterations > 1 keeps the generation batch in memory only, so a resume in
-the middle of its iterations samples it again from the updated weights (a checkpoint should carry it);
-log.completions_every_steps and the TensorBoard text are not written; a RewardError stops the run as a
-ConfigError (one line, exit 2).
+What is this recipe's own (docs/grpo.md): the grpo: section; the step's prompts (data.format: prompt; every
+rank gets all of them, the same for grpo.num_iterations steps); and the step: sample the completions
+(llmtrain.generation, keyed by (seed, generation batch, prompt, generation index)), score them
+(llmtrain.rewards), group-relative advantages over every rank's rewards, then the clipped surrogate
+(llmtrain.losses.policy) through the shared accumulation, num_iterations times on the same completions.
+The generation batch is registered state with num_iterations > 1, so a resume in its middle continues on
+the same completions and sampling-time log-probs. The rest is llmtrain.train's (llmtrain/train/recipe.py).
 """
 
-from __future__ import annotations
-
-import contextlib
 import json
-import random
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout, installed or not
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from llmtrain import distributed, generation, parallelize, rewards  # noqa: E402
-from llmtrain import train as trainer  # noqa: E402
-from llmtrain.config import ConfigError  # noqa: E402
-from llmtrain.generate import stop_token_ids  # noqa: E402
-from llmtrain.losses import policy  # noqa: E402
-from llmtrain.losses.policy import GRPOConfig  # noqa: E402
-from llmtrain.losses.token import TokenLoss, next_token_targets  # noqa: E402
-from llmtrain.data.formats import IGNORE  # noqa: E402
-from llmtrain.models import hf as model_lib, lora  # noqa: E402
-from llmtrain.train.step import StepResult, update  # noqa: E402
+from llmtrain import distributed, generation, rewards
+from llmtrain.config import ConfigError
+from llmtrain.data import IGNORE
+from llmtrain.losses import policy
+from llmtrain.losses.policy import GRPOConfig
+from llmtrain.losses.token import next_token_targets
+from llmtrain.models import hf as model_lib
+from llmtrain.train.build import Registered, data_steps, reference
+from llmtrain.train.recipe import Recipe
+from llmtrain.train.step import Share, accumulate
 
 USAGE = """\
-GRPO / DAPO / Dr. GRPO with DDP, FSDP or FSDP2 on GPUs (NCCL) or CPUs (gloo). DRAFT.
+GRPO / DAPO / Dr. GRPO with DDP, FSDP or FSDP2 on GPUs (NCCL) or CPUs (gloo).
 
   torchrun --nproc_per_node=N recipes/grpo.py --config configs/demo-grpo.yaml [key.sub=value ...]
 
-data.path: JSON lines with a "prompt" (text, or a list of chat messages) and any other columns, which reach
-the reward functions (grpo.reward_funcs) by name. Each step samples grpo.num_generations completions for
-micro_batch_size x grad_accum_steps x world_size / num_generations prompts.
+The data are prompts (data.format: prompt): {"prompt": text or a list of messages, ...}; every other column
+reaches the reward functions (grpo.reward_funcs) by name. Each step trains on micro_batch_size x
+grad_accum_steps x world size completions: that many / grpo.num_generations prompts, each sampled
+grpo.num_generations times. data.seq_len is the prompt's budget (longer prompts keep their last tokens).
+
+Writes to output_dir what recipes/finetune.py writes; metrics.jsonl adds TRL's names: reward, reward_std,
+rewards/<func>/mean and /std, frac_reward_zero_std, kl (grpo.beta > 0), completions/mean_length, /min_length,
+/max_length, /clipped_ratio, clip_ratio/low_mean, /high_mean, /region_mean, and generation_s,
+generated_tokens_per_s; log.completions_every_steps: sampled completions to output_dir/completions.jsonl.
 """
-
-
-def check(cfg: GRPOConfig) -> None:
-    model_lib.check_paths(cfg.model, cfg.tokenizer.path)
-    policy.check(cfg.grpo)
-    rewards.load_all(cfg.grpo.reward_funcs)  # a missing module, file or function: exit 2 before any process
-    if cfg.train.loss_impl == "liger":
-        raise ConfigError("train.loss_impl: recipes/grpo.py takes chunked (the default) or full; liger yields no "
-                          "per-token log-probs")
-    if not cfg.data.path or not Path(cfg.data.path).is_file():
-        raise ConfigError(f"data.path: recipes/grpo.py (draft) reads one JSON-lines file of prompts; got "
-                          f"{cfg.data.path!r}")
-
-
-def load_prompts(path: str, tokenizer, max_len: int) -> list[dict]:
-    """Records -> {"ids", "prompt", "chat", "columns"}; a bad record is named by file:line."""
-    out = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        record = json.loads(line)
-        prompt = record.pop("prompt", None)
-        if isinstance(prompt, list):
-            ids = tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) else ids
-        elif isinstance(prompt, str):
-            ids = tokenizer(prompt)["input_ids"]
-        else:
-            raise ConfigError(f"{path}:{n}: no 'prompt' (text or a list of messages)")
-        if len(ids) > max_len:
-            raise ConfigError(f"{path}:{n}: prompt of {len(ids)} tokens > data.seq_len - grpo.max_completion_length "
-                              f"= {max_len}")
-        out.append({"ids": list(ids), "prompt": prompt, "chat": isinstance(prompt, list), "columns": record})
-    return out
+LOGGED_PROMPTS = 4  # prompts (each with all its completions) per completions.jsonl record set
 
 
 class PromptSteps:
-    """The dataset indices of each step's prompts: one seeded order per epoch, whatever the world size; the
-    same prompts for the num_iterations steps of one generation batch; the position is the steps done."""
+    """Each generation batch's prompts (every rank gets them all), the same for num_iterations steps. The
+    position is the batch's first sample and the iteration within it: a resume in its middle takes the same
+    prompts again."""
 
-    def __init__(self, n: int, per_step: int, seed: int, iterations: int, steps: int):
-        self.n, self.per_step, self.seed, self.iterations, self.steps = n, per_step, seed, iterations, steps
-
-    def indices(self, start: int) -> list[int]:
-        out = []
-        for i in range(start, start + self.per_step):
-            epoch, k = divmod(i, self.n)
-            order = list(range(self.n))
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-            out.append(order[k])
-        return out
+    def __init__(self, steps, iterations: int, position: dict):
+        self.steps, self.iterations = steps, iterations
+        self.iteration, self.start, self.batch = position.get("iteration", 0), steps.samples_seen, None
 
     def __next__(self) -> list[dict]:
-        index = self.indices(self.steps // self.iterations * self.per_step)
-        self.steps += 1
-        return [{"prompt_index": torch.tensor(index)}]
+        if self.batch is None or self.iteration == 0:
+            self.start, self.batch = self.steps.samples_seen, next(self.steps)
+        self.iteration = (self.iteration + 1) % self.iterations
+        return self.batch  # one batch: the step's prompts
 
     def position(self) -> dict:
-        return {"steps": self.steps}
+        return {"samples_seen": self.steps.samples_seen if self.iteration == 0 else self.start,
+                "iteration": self.iteration}
 
 
-def all_gather_rows(t: torch.Tensor, world: int) -> torch.Tensor:
+class Generated:
+    """The generation batch that the next updates reuse (num_iterations > 1), every rank's, JSON-able:
+    completion token ids, truncation, advantages, sampling-time and reference log-probs of the trained
+    tokens, the batch's metrics."""
+
+    def __init__(self):
+        self.state: dict = {}
+
+    def state_dict(self) -> dict:
+        return self.state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = state
+
+
+class GRPO(Recipe):
+    config_cls = GRPOConfig
+    usage = USAGE
+    rows = "prompts"
+    unit = "completions"
+
+    def check(self, cfg: GRPOConfig) -> None:
+        try:
+            model_lib.check_paths(cfg.model, cfg.tokenizer.path)
+        except ConfigError as e:
+            raise ConfigError(f"{e} (configs/demo-grpo.yaml starts from the SFT demo's export: run torchrun "
+                              "--standalone --nproc_per_node=2 recipes/finetune.py --config configs/demo.yaml "
+                              "first)") from None
+        policy.check(cfg.grpo)
+        rewards.load_all(cfg.grpo.reward_funcs)  # a missing module, file or function: exit 2 here
+        if cfg.train.loss_impl == "liger":
+            raise ConfigError("train.loss_impl: recipes/grpo.py takes chunked (the default) or full; liger yields "
+                              "no per-token log-probs")
+
+    def registered(self, cfg: GRPOConfig) -> list[Registered]:
+        self.generated = Generated()
+        return [Registered("grpo_generation", self.generated)] if cfg.grpo.num_iterations > 1 else []
+
+    def steps(self, run):
+        g = run.cfg.grpo
+        if run.global_batch % g.num_generations:
+            raise ConfigError(f"train.micro_batch_size x train.grad_accum_steps x {run.env.world_size} ranks = "
+                              f"{run.global_batch} completions per step must be a multiple of "
+                              f"grpo.num_generations = {g.num_generations}")
+        built, prompts = data_steps(run, self.unit, rows_per_step=run.global_batch // g.num_generations)
+        return built, PromptSteps(prompts, g.num_iterations, run.state.data)
+
+    def setup(self, run, built) -> None:
+        super().setup(run, built)
+        g, tok = run.cfg.grpo, run.tokenizer
+        self.section, self.objective, self.micro = g, self, None
+        self.funcs = rewards.load_all(g.reward_funcs)
+        self.eos = model_lib.stop_ids(run.model_config.eos_token_id, tok)
+        self.pad = tok.pad_token_id if tok.pad_token_id is not None else self.eos[0]
+        self.sampling = generation.Sampling(g.max_completion_length, g.temperature, g.top_p, g.top_k)
+        self.reference = reference(run) if g.beta else None
+        run.metrics.info(f"grpo: {run.global_batch // g.num_generations} prompts x {g.num_generations} completions "
+                         f"per step, loss {g.loss_type}, beta {g.beta:g}"
+                         f"{f' (reference: {self.reference.kind})' if self.reference else ''}, "
+                         f"{g.num_iterations} update(s) per generation batch, rewards "
+                         f"{', '.join(f.spec for f in self.funcs)}, EOS ids {self.eos}")
+
+    # -- the step ---------------------------------------------------------------------------------
+    def step(self, batches: list[dict]):
+        run, g = self.run, self.section
+        prompts, index = batches[0], run.state.step // g.num_iterations
+        if self.micro is None or self.generated.state.get("step") != index:
+            held = self.generated.state if self.generated.state.get("step") == index else None
+            self.micro, metrics = self.restore(prompts, held) if held else self.generate(prompts, index)
+            self.metrics = metrics
+        result = accumulate(run.stepper, self.micro, self)
+        return result._replace(extra={**self.metrics, **result.extra}, rows=self.micro)
+
+    def mine(self) -> range:
+        """This rank's completions in the step's global order (prompt-major: prompt c // G, generation c % G)."""
+        per_rank = self.run.cfg.train.micro_batch_size * self.run.cfg.train.grad_accum_steps
+        return range(self.run.env.rank * per_rank, (self.run.env.rank + 1) * per_rank)
+
+    def generate(self, prompts: dict, index: int) -> tuple[list[dict], dict]:
+        run, g, env = self.run, self.section, self.run.env
+        G, rows = g.num_generations, self.mine()
+        prompt_index = [int(prompts["prompt_index"][c // G]) for c in rows]
+        ids = [prompts["prompt_ids"][c // G] for c in rows]
+        t0 = time.perf_counter()
+        with run.autocast():
+            out = generation.generate(run.model, ids, [(run.cfg.train.seed, index, p, c % G)
+                                                       for p, c in zip(prompt_index, rows)],
+                                      self.sampling, self.eos, self.pad, env.device)
+        seconds = time.perf_counter() - t0
+        tokens = [r[:n] for r, n in zip(out.ids.tolist(), out.lengths.tolist())]
+        texts = run.tokenizer.batch_decode(tokens, skip_special_tokens=True)
+        chat = [isinstance(prompts["prompts"][c // G], list) for c in rows]
+        completions = [[{"role": "assistant", "content": t}] if is_chat else t for t, is_chat in zip(texts, chat)]
+        columns = [prompts["columns"][c // G] for c in rows]
+        names = sorted({k for c in columns for k in c})
+        per_func = self.score([prompts["prompts"][c // G] for c in rows], completions, tokens,
+                              {k: [c.get(k) for c in columns] for k in names}, prompt_index)
+        every = lambda t: gather_rows(t.to(env.device)).cpu()  # noqa: E731
+        scores, lengths, truncated = every(per_func), every(out.lengths), every(out.truncated.long())
+        adv = policy.group_advantages(scores, g.reward_weights, G, g.scale_rewards)
+        generated = distributed.all_reduce(out.lengths.sum().to(env.device)).item()
+        seconds = distributed.all_reduce(torch.tensor(seconds, device=env.device), dist.ReduceOp.MAX).item()
+        metrics = {**policy.reward_metrics(scores, [f.name for f in self.funcs], adv),
+                   "completions/mean_length": lengths.float().mean().item(),
+                   "completions/min_length": lengths.min().item(), "completions/max_length": lengths.max().item(),
+                   "completions/clipped_ratio": truncated.float().mean().item(),
+                   "generation_s": seconds, "generated_tokens_per_s": generated / max(seconds, 1e-9)}
+        advantages = adv.advantages[rows.start:rows.stop].tolist()
+        micro = self.batches(prompts, tokens, out.truncated.tolist(), advantages)
+        old, ref = self.score_logps(micro)
+        every_n = run.cfg.log.completions_every_steps
+        if every_n and index % every_n == 0:
+            self.log_completions(rows, prompt_index, prompts, texts, tokens, out.truncated.tolist(), per_func,
+                                 adv, run.state.step + 1)
+        if g.num_iterations > 1:  # every rank's part, for a checkpoint in the middle of the batch
+            parts = [None] * env.world_size
+            dist.all_gather_object(parts, (tokens, out.truncated.tolist(), old, ref))
+            self.generated.state = {"step": index, "advantages": adv.advantages.tolist(), "metrics": metrics,
+                                    **{k: sum((p[i] for p in parts), []) if parts[0][i] is not None else None
+                                       for i, k in enumerate(("completions", "truncated", "old", "ref"))}}
+        return micro, metrics
+
+    def restore(self, prompts: dict, held: dict) -> tuple[list[dict], dict]:
+        """A resume in the middle of a generation batch: this rank's micro-batches from the checkpoint's."""
+        rows = self.mine()
+        part = {k: held[k][rows.start:rows.stop] if held[k] is not None else None
+                for k in ("completions", "truncated", "advantages", "old", "ref")}
+        micro = self.batches(prompts, part["completions"], part["truncated"], part["advantages"])
+        n = self.run.cfg.train.micro_batch_size
+        for i, b in enumerate(micro):
+            for key, name in (("old", "old_logps"), ("ref", "ref_logps")):
+                if part[key] is not None:
+                    flat = torch.tensor(sum(part[key][i * n:(i + 1) * n], []), device=b["labels"].device)
+                    b[name] = policy.to_grid(flat, self.keep(b))
+        return micro, held["metrics"]
+
+    def score(self, prompts, completions, tokens, columns, prompt_index) -> torch.Tensor:
+        """[completions, functions] rewards; a reward function's failure on any rank stops every rank with its
+        one line (rewards.RewardError: exit 1), before anything of this step is saved."""
+        error, per_func = None, None
+        try:
+            per_func = torch.tensor(rewards.score(self.funcs, prompts, completions, tokens, columns, prompt_index),
+                                    dtype=torch.float64)
+        except rewards.RewardError as e:
+            error = str(e)
+        errors = [None] * self.run.env.world_size
+        dist.all_gather_object(errors, error)
+        if failed := next((e for e in errors if e), None):
+            raise rewards.RewardError(failed)
+        return per_func
+
+    def batches(self, prompts: dict, tokens: list[list[int]], truncated: list[bool],
+                advantages: list[float]) -> list[dict]:
+        """This rank's micro-batches of training rows (prompt + completion) with their advantages."""
+        g, n, rows = self.section, self.run.cfg.train.micro_batch_size, self.mine()
+        ids = [prompts["prompt_ids"][c // g.num_generations] for c in rows]
+        out = []
+        for i in range(0, len(rows), n):
+            done = generation.from_lists(tokens[i:i + n], truncated[i:i + n], self.pad)
+            b = generation.training_rows(ids[i:i + n], done, self.pad, g.mask_truncated_completions)
+            out.append({**{k: v.to(self.run.env.device) for k, v in b.items()},
+                        "advantages": torch.tensor(advantages[i:i + n], device=self.run.env.device)})
+        return out
+
+    def score_logps(self, micro: list[dict]) -> tuple[list | None, list | None]:
+        """Sampling-time log-probs (num_iterations > 1: the ratio's denominator) and the reference's (beta > 0)
+        of each micro-batch's trained tokens, set on the batches; -> per completion lists (for Generated)."""
+        run, g = self.run, self.section
+        kept = {}
+        for name, wanted, model_logps in (
+                ("old_logps", g.num_iterations > 1, lambda b: run.token_loss.token_logps(run.model, b, g.temperature)),
+                ("ref_logps", g.beta > 0, lambda b: self.reference.logps(
+                    lambda model, token_loss: token_loss.token_logps(model, b, g.temperature)))):
+            if not wanted:
+                continue
+            kept[name] = []
+            for b in micro:
+                with torch.no_grad(), run.autocast():
+                    b[name] = policy.to_grid(model_logps(b), self.keep(b))
+                kept[name] += [row[k].tolist() for row, k in zip(b[name], self.keep(b))]
+        return kept.get("old_logps"), kept.get("ref_logps")
+
+    def log_completions(self, rows, prompt_index, prompts, texts, tokens, truncated, per_func, adv, step) -> None:
+        """The first LOGGED_PROMPTS prompts' completions, their rewards and advantages -> completions.jsonl."""
+        G, names = self.section.num_generations, [f.name for f in self.funcs]
+        records = [{"step": step, "prompt_index": p, "generation": c % G, "prompt": prompts["prompts"][c // G],
+                    "completion": text, "tokens": len(ids), "truncated": cut,
+                    "rewards": {n: None if v != v else v for n, v in zip(names, scores.tolist())},
+                    "reward": float(adv.rewards[c]), "advantage": float(adv.advantages[c])}
+                   for c, p, text, ids, cut, scores in zip(rows, prompt_index, texts, tokens, truncated, per_func)
+                   if c // G < LOGGED_PROMPTS]
+        parts = [None] * self.run.env.world_size
+        dist.all_gather_object(parts, records)
+        if self.run.env.is_main:
+            with open(Path(self.run.cfg.output_dir) / "completions.jsonl", "a") as f:
+                f.writelines(json.dumps(r) + "\n" for part in parts for r in part)
+
+    # -- the objective: sums over a micro-batch's completions / the step's completions and tokens --------
+    @staticmethod
+    def keep(batch: dict) -> torch.Tensor:
+        return next_token_targets(batch["labels"]) != IGNORE
+
+    def counts(self, batch: dict) -> torch.Tensor:
+        return policy.policy_counts(self.keep(batch))
+
+    def share(self, model, batch: dict, totals: torch.Tensor) -> Share:
+        g, keep = self.section, self.keep(batch)
+        logps = policy.to_grid(self.run.token_loss.token_logps(model, batch, g.temperature), keep)
+        sums = policy.policy_sums(logps, keep, batch["advantages"], batch.get("old_logps"), batch.get("ref_logps"),
+                                  g.loss_type, g.epsilon, g.epsilon_high, g.beta, g.use_bias_correction_kl)
+        part = policy.objective(sums, totals[1:], g.loss_type, g.max_completion_length)
+        return Share(part, torch.cat([part.detach().reshape(1), sums.metrics]))
+
+    def report(self, metrics: torch.Tensor, totals: torch.Tensor) -> tuple[float, dict]:
+        return metrics[0].item(), policy.metrics(metrics[1:], None, int(totals[2]), self.section.beta)
+
+
+def gather_rows(t: torch.Tensor) -> torch.Tensor:
     """Every rank's equal-sized rows, in rank order."""
-    parts = [torch.empty_like(t) for _ in range(world)]
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, t.contiguous())
     return torch.cat(parts)
 
 
-def train(cfg: GRPOConfig, env: distributed.DistEnv) -> torch.nn.Module:
-    run = trainer.build(cfg, env)
-    model, plan, g = run.model, run.plan, cfg.grpo
-    funcs = rewards.load_all(g.reward_funcs)
-    tokenizer = run.tokenizer
-    prompts = load_prompts(cfg.data.path, tokenizer, cfg.data.seq_len - g.max_completion_length)
-    rows_per_rank = cfg.train.micro_batch_size * cfg.train.grad_accum_steps
-    if run.global_batch % g.num_generations:
-        raise ConfigError(f"micro_batch_size x grad_accum_steps x world size = {run.global_batch} completions per "
-                          f"step must be a multiple of grpo.num_generations = {g.num_generations}")
-    per_step = run.global_batch // g.num_generations
-    generations = PromptSteps(len(prompts), per_step, cfg.train.seed, g.num_iterations, run.state.step)
-    chat = prompts[0]["chat"]
-    eos = stop_token_ids(run.token_loss.lm, tokenizer, chat)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    sampling = generation.Sampling(g.max_completion_length, g.temperature, g.top_p, g.top_k)
-    names = [f.name for f in funcs]
-
-    reference, ref_loss = None, None
-    if g.beta:  # full fine-tuning: a frozen copy; LoRA: the same model with its adapters off
-        reference = model if cfg.lora.enabled else trainer.build_frozen(run)
-        ref_loss = run.token_loss if reference is model else TokenLoss(cfg.train.loss_impl, reference, env.device,
-                                                                       cfg.train.loss_chunk_tokens)
-    run.metrics.info(f"grpo: {len(prompts)} prompts, {per_step} x {g.num_generations} completions per step, "
-                     f"loss {g.loss_type}, beta {g.beta:g}, rewards {', '.join(names)}, EOS ids {eos}")
-    cache: dict = {}  # the generation batch, reused num_iterations times
-
-    def logps_of(m, token_loss, batch, grad: bool) -> torch.Tensor:
-        with (contextlib.nullcontext() if grad else torch.no_grad()), parallelize.autocast(plan, env.device):
-            flat = token_loss.token_logps(m, batch, g.temperature)
-        return policy.to_grid(flat, next_token_targets(batch["labels"]) != IGNORE)
-
-    def generate_and_score(step: int, index: list[int]) -> dict:
-        mine = slice(env.rank * rows_per_rank, (env.rank + 1) * rows_per_rank)
-        rows = [(i, k) for i in index for k in range(g.num_generations)][mine]  # prompt-major
-        ids = [prompts[i]["ids"] for i, _ in rows]
-        keys = [(cfg.train.seed, step, i, k) for i, k in rows]
-        t0 = time.perf_counter()
-        with parallelize.autocast(plan, env.device):
-            c = generation.generate(model, ids, keys, sampling, eos, pad, env.device)
-        gen_s = time.perf_counter() - t0
-        texts = [tokenizer.decode(r[:n], skip_special_tokens=True) for r, n in zip(c.ids.tolist(), c.lengths.tolist())]
-        completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
-        columns = {k: [prompts[i]["columns"].get(k) for i, _ in rows] for k in prompts[index[0]]["columns"]}
-        try:
-            per_func = rewards.score(funcs, [prompts[i]["prompt"] for i, _ in rows], completions,
-                                     [r[:n] for r, n in zip(c.ids.tolist(), c.lengths.tolist())], columns,
-                                     [i for i, _ in rows])
-        except rewards.RewardError as e:
-            raise ConfigError(str(e)) from None
-        global_rewards = all_gather_rows(torch.tensor(per_func, device=env.device), env.world_size)
-        adv = policy.group_advantages(global_rewards.cpu(), g.reward_weights, g.num_generations, g.scale_rewards)
-        lengths = all_gather_rows(c.lengths.to(env.device), env.world_size).float()
-        truncated = all_gather_rows(c.truncated.to(env.device), env.world_size)
-        gen_tokens = distributed.all_reduce(c.lengths.sum().to(env.device)).item()
-        gen_time = distributed.all_reduce(torch.tensor(gen_s, device=env.device), dist.ReduceOp.MAX).item()
-        extra = {**policy.reward_metrics(global_rewards.cpu(), names, adv),
-                 "completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
-                 "completions/max_length": lengths.max().item(),
-                 "completions/clipped_ratio": truncated.float().mean().item(),
-                 "generation_s": gen_time, "generated_tokens_per_s": gen_tokens / max(gen_time, 1e-9)}
-        rows_all = generation.training_rows(ids, c, pad, g.mask_truncated_completions)
-        micro = cfg.train.micro_batch_size
-        batches = [{k: v[j:j + micro] for k, v in rows_all.items()} for j in range(0, rows_per_rank, micro)]
-        advantages = adv.advantages[mine]
-        for j, b in enumerate(batches):
-            b = {k: v.to(env.device) for k, v in b.items()}
-            batches[j] = b
-            b["advantages"] = advantages[j * micro:(j + 1) * micro].to(env.device)
-            if g.num_iterations > 1:  # the ratio's denominator: the weights that sampled
-                b["old_logps"] = logps_of(model, run.token_loss, b, grad=False)
-            if reference is not None:
-                off = lora.adapters_disabled(model) if cfg.lora.enabled else contextlib.nullcontext()
-                with off:
-                    b["ref_logps"] = logps_of(reference, ref_loss, b, grad=False)
-        return {"batches": batches, "extra": extra}
-
-    def step(batches: list[dict]) -> StepResult:
-        step_no = run.state.step
-        generation_step = step_no // g.num_iterations
-        if cache.get("step") != generation_step:
-            cache.update(step=generation_step,
-                         **generate_and_score(generation_step, batches[0]["prompt_index"].tolist()))
-        rows = cache["batches"]
-        keeps = [next_token_targets(b["labels"]) != IGNORE for b in rows]
-        totals = distributed.all_reduce(torch.stack([policy.policy_counts(k) for k in keeps]).sum(0))
-        loss_sum = torch.zeros((), device=env.device)
-        summed = torch.zeros(len(policy.METRICS), device=env.device)
-        minima = torch.full((2,), float("inf"), device=env.device)
-        for i, (b, keep) in enumerate(zip(rows, keeps)):
-            with parallelize.grad_sync(model, plan, enabled=i == len(rows) - 1):
-                logps = logps_of(model, run.token_loss, b, grad=True)
-                sums = policy.policy_sums(logps, keep, b["advantages"], b.get("old_logps"), b.get("ref_logps"),
-                                          g.loss_type, g.epsilon, g.epsilon_high, g.beta, g.use_bias_correction_kl)
-                part = policy.objective(sums, totals, g.loss_type, g.max_completion_length)
-                # Data-parallel wrappers average gradients over ranks: x world size makes them the global sum's.
-                (run.scaler.scale(part * env.world_size) if run.scaler else part * env.world_size).backward()
-            loss_sum += part.detach()
-            summed += sums.metrics
-            minima = torch.minimum(minima, sums.minima)
-        loss = distributed.all_reduce(loss_sum).item()
-        extra = {**cache["extra"], **policy.metrics(distributed.all_reduce(summed),
-                                                    distributed.all_reduce(minima, dist.ReduceOp.MIN), int(totals[1]),
-                                                    g.beta)}
-        grad_norm, ok = update(model, plan, run.opt, run.scaler, cfg.train.max_grad_norm, loss)
-        batches[:] = [{k: b[k] for k in ("input_ids", "labels")} for b in rows]  # the loop's throughput counts these
-        return StepResult(loss, grad_norm, int(totals[1]), ok, extra)
-
-    return trainer.loop(run, generations, step)
-
-
-def main(argv: list[str] | None = None) -> int:
-    return trainer.main(argv, USAGE, GRPOConfig, train, check)
-
-
 if __name__ == "__main__":
-    distributed.hard_exit(main())
+    distributed.hard_exit(GRPO().main())

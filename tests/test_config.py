@@ -130,6 +130,8 @@ NUMERIC = list({key: (key, f, tp, cls) for cls in recipe_configs() for key, f, t
 def _override(key: str, value) -> list[str]:
     if key == "train.betas":
         return [f"train.betas=[{value!r}, 0.95]"]
+    if key == "grpo.reward_weights":
+        return [f"grpo.reward_weights=[{value!r}]"]
     if key.startswith("data.sources[0]."):
         return ["data.path=", f"data.sources=[{{path: data/demo/val.jsonl, {key.split('.')[-1]}: {value!r}}}]"]
     return [f"{key}={value!r}"]
@@ -173,7 +175,7 @@ def test_each_range_refuses_just_outside_and_takes_just_inside(key, f, tp, cls):
     is_int = int in (tp, *typing.get_args(tp))  # int | None too
     outside, inside = _edges(valid, is_int)
     assert outside and inside
-    named = f"{key}[0]" if key == "train.betas" else key
+    named = f"{key}[0]" if key in ("train.betas", "grpo.reward_weights") else key
     for value in outside if is_int else [*outside, math.nan]:
         with pytest.raises(ConfigError) as e:
             load_config(TINY, _override(key, value), cls)

@@ -27,12 +27,14 @@ SAMPLES = {
                                                       {"from": "gpt", "value": "5"}]}],
     "preference": [{"prompt": "Name a colour.", "chosen": " Red.", "rejected": " Ball."},
                    {"chosen": SUM, "rejected": [SUM[0], {"role": "assistant", "content": "6"}]}],
+    "prompt": [{"prompt": "Add 2 and 3.", "answer": "5"}, {"prompt": SUM[:1], "answer": "5"}],
 }
 TRAINED = {
     "text": [],  # filled below from the tokenizer: one packed row, each document but its first token
     "instruction": ["Red.<|end_of_text|>", "5<|end_of_text|>"],
     "chat": ["Red.<|eot_id|>", "5<|eot_id|>"],  # the template's end-of-turn token is trained too
     "preference": [" Red.<|end_of_text|>", "5<|eot_id|>", " Ball.<|end_of_text|>", "6<|eot_id|>"],  # chosen, rejected
+    "prompt": [],  # prompts train nothing: see test_prompts_keep_their_columns_for_the_rewards
 }
 
 
@@ -48,6 +50,9 @@ def test_every_format_builds_rows_and_collates_them(tmp_path, tok, name):
     built = build(DataConfig(path=str(path), format=name, seq_len=128, packing=name == "text"), tok, seed=0)
     assert (built.stats.num_examples, built.stats.skipped, built.stats.truncated) == (2, 0, 0)
     rows = [built.train[i] for i in range(len(built.train))]
+    if name == "prompt":  # rows that read like token rows, none of them trained; batches of prompts
+        assert all((r["labels"] == IGNORE).all() for r in rows)
+        return
     batch = built.collate(rows) if built.collate else default_collate(rows)
     ids, labels = batch["input_ids"], batch["labels"]
     assert torch.equal(labels[labels != IGNORE], ids[labels != IGNORE])
@@ -64,7 +69,7 @@ def test_every_format_builds_rows_and_collates_them(tmp_path, tok, name):
 
 
 @pytest.mark.parametrize("name, packing, truncated", [("text", True, 0), ("text", False, 1), ("instruction", True, 2),
-                                                     ("chat", True, 2), ("preference", True, 1)])
+                                                     ("chat", True, 2), ("preference", True, 1), ("prompt", True, 1)])
 def test_examples_longer_than_seq_len_are_counted(tmp_path, tok, name, packing, truncated):
     """Packing cuts a document across rows (not truncated); other examples and pairs are cut to seq_len."""
     path = tmp_path / f"{name}.jsonl"
@@ -90,3 +95,23 @@ def test_formats_used_and_the_kind_of_rows(tmp_path):
 def test_config_format_choices_are_the_registry():
     for section in (DataConfig, SourceConfig):
         assert typing.get_args(typing.get_type_hints(section)["format"]) == tuple(FORMATS)
+
+
+def test_prompts_keep_their_columns_for_the_rewards(tmp_path, tok):
+    """data.format=prompt: text tokenized as it is, messages rendered with the generation prompt; the other
+    columns ride along; a prompt longer than seq_len keeps its end; bad records are counted and named."""
+    path = tmp_path / "prompts.jsonl"
+    records = SAMPLES["prompt"] + [{"prompt": ""}, {"question": "no prompt"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    built = build(DataConfig(path=str(path), format="prompt", seq_len=128), tok, seed=0)
+    assert (built.stats.num_examples, built.stats.skipped) == (2, 2)
+    assert built.stats.reasons == {"field 'prompt' is empty": 1, "field 'prompt' is missing": 1}
+    assert built.stats.first_bad == f"{path}, line 3: field 'prompt' is empty"
+    batch = built.collate([built.train[0], built.train[1]])
+    assert batch["prompts"] == [r["prompt"] for r in SAMPLES["prompt"]] and batch["prompt_index"].tolist() == [0, 1]
+    assert batch["columns"] == [{"answer": "5"}, {"answer": "5"}]
+    assert batch["prompt_ids"][0] == tok("Add 2 and 3.")["input_ids"]
+    assert tok.decode(batch["prompt_ids"][1]).endswith("Add 2 and 3.<|eot_id|><|start_header_id|>assistant"
+                                                       "<|end_header_id|>\n\n")
+    short = build(DataConfig(path=str(path), format="prompt", seq_len=4), tok, seed=0)
+    assert short.collate([short.train[0]])["prompt_ids"] == [tok("Add 2 and 3.")["input_ids"][-4:]]

@@ -1,14 +1,22 @@
-"""The DRAFT recipes/grpo.py on a tiny random Llama and data/demo/prompts.jsonl: one process without a wrapper
-(2 micro-batches) and 2 ranks under FSDP2 (1 each, the groups of 4 straddling the ranks) log the same losses,
-rewards and policy metrics over 3 steps with beta > 0 and num_iterations 2; a missing reward function exits
-2 before any process starts; one that raises stops the run with one line naming it and the prompt index."""
+"""recipes/grpo.py end to end on a tiny random Llama and data/demo/prompts.jsonl (3 prompts x 4 completions a
+step, a reward of the completion's length): the step-1 loss and every metric equal the formulas computed from
+the completions it logged (dapo with beta > 0 and num_iterations 2; dr_grpo with LoRA, beta 0, one
+iteration); one process without a wrapper and 2 ranks under fsdp2, fsdp and ddp, with other micro-batch /
+accumulation splits and a group straddling the two ranks, sample the same completions and log the same
+losses and metrics over 5 steps, LoRA too; a run stopped at step 3 (in the middle of a generation batch) on
+2 ranks ddp and resumed on 1 process fsdp2 continues as the uninterrupted run; a reward function that raises
+or returns the wrong length stops the run with one line naming it and the prompt (exit 1, no checkpoint, no
+export); a missing one exits 2 before any process starts."""
 
 from __future__ import annotations
+
+import json
+import math
 
 import pytest
 
 from helpers import REPO
-from helpers.procs import read_metrics, run_recipe
+from helpers.procs import finish_recipe, read_metrics, run_recipe, start_recipe
 
 GRPO = REPO / "recipes" / "grpo.py"
 CONFIG = """\
@@ -16,56 +24,166 @@ model:
   config: {hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4,
            num_key_value_heads: 2, max_position_embeddings: 64, tie_word_embeddings: true}
 tokenizer: {path: assets/tokenizer}
-data: {path: data/demo/prompts.jsonl, seq_len: 64}
+data: {path: data/demo/prompts.jsonl, format: prompt, seq_len: 32}
 parallel: {strategy: none}
-train: {max_steps: 3, micro_batch_size: 4, grad_accum_steps: 2, lr: 1.0e-3, warmup_steps: 1, seed: 7}
-grpo: {num_generations: 4, max_completion_length: 16, beta: 0.04, num_iterations: 2, reward_funcs: [REWARD]}
-log: {every_steps: 1, progress: false}
+train: {max_steps: 5, micro_batch_size: 6, grad_accum_steps: 2, lr: 3.0e-3, warmup_steps: 1, seed: 7,
+        lr_schedule: constant}  # a run cut at step 3 decays its lr as the whole one does
+grpo: {num_generations: 4, max_completion_length: 12, beta: 0.04, num_iterations: 2, reward_funcs: [REWARD]}
+log: {every_steps: 1, progress: false, completions_every_steps: 1}
 """
-KEYS = ("loss", "reward", "reward_std", "kl", "clip_ratio/region_mean", "clip_ratio/high_max",
-        "completions/mean_length", "frac_reward_zero_std", "grad_norm")
+REWARDS = """\
+def chars(prompts, completions, completion_ids, **kw):
+    return [len(c.strip()) / 10 for c in completions]
+def fails(prompts, completions, completion_ids, answer, **kw):
+    return [1 / (len(a) - len(a)) for a in answer]
+def short(prompts, completions, completion_ids, **kw):
+    return [0.0]
+"""
+KEYS = ("loss", "reward", "reward_std", "rewards/chars/mean", "rewards/chars/std", "frac_reward_zero_std",
+        "completions/mean_length", "completions/min_length", "completions/max_length", "completions/clipped_ratio",
+        "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "grad_norm", "trained_tokens")
+LORA = ("lora.enabled=true", "lora.r=4", "lora.dropout=0",  # dropout: per-rank randomness
+        "grpo.loss_type=dr_grpo", "grpo.beta=0.0", "grpo.num_iterations=1")
 
 
-@pytest.fixture
-def config(tmp_path):
-    rewards = tmp_path / "rewards.py"
-    rewards.write_text("def chars(prompts, completions, completion_ids, **kw):\n"
-                       "    return [len(c.strip()) / 10 for c in completions]\n"
-                       "def fails(prompts, completions, completion_ids, answer, **kw):\n"
-                       "    return [1 / (int(a) != 9) for a in answer]\n")
-    path = tmp_path / "grpo.yaml"
-    path.write_text(CONFIG.replace("REWARD", f"{rewards}:chars"))
-    return path, rewards
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("grpo")
+    (tmp / "rewards.py").write_text(REWARDS)
+    config = tmp / "grpo.yaml"
+    config.write_text(CONFIG.replace("REWARD", f"{tmp / 'rewards.py'}:chars"))
+    return tmp, config
+
+
+@pytest.fixture(scope="module")
+def runs(setup):
+    tmp, config = setup
+    two = ("train.micro_batch_size=3",)  # rank 0: the first group and half the second
+    specs = {
+        "one": (1, ()),
+        "fsdp2": (2, ("parallel.strategy=fsdp2", *two)),
+        "fsdp": (2, ("parallel.strategy=fsdp", "train.grad_accum_steps=1")),
+        "part": (2, ("parallel.strategy=ddp", "train.micro_batch_size=1", "train.grad_accum_steps=6",
+                     "train.max_steps=3", "checkpoint.every_steps=3")),
+        "lora_one": (1, LORA),
+        "lora_two": (2, (*LORA, "parallel.strategy=ddp", *two)),
+    }
+    running = []
+    for key, (nproc, overrides) in specs.items():  # two at a time: a tiny run spends most of its time starting
+        if len(running) == 2:
+            finish_recipe(running.pop(0))
+        running.append(start_recipe(tmp / key, *overrides, nproc=nproc, config=config, script=GRPO))
+    for proc in running:
+        finish_recipe(proc)
+    run_recipe(tmp / "part", "parallel.strategy=fsdp2", "train.micro_batch_size=12", "train.grad_accum_steps=1",
+               config=config, script=GRPO)
+    return tmp
+
+
+def records(out) -> list[dict]:
+    return [r for r in read_metrics(out) if "loss" in r]
+
+
+def completions(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+
+
+def std(x: list[float]) -> float:
+    mean = sum(x) / len(x)
+    return math.sqrt(sum((v - mean) ** 2 for v in x) / (len(x) - 1))
+
+
+def expected_step_1(logged: list[dict], loss_type: str, max_len: int) -> dict:
+    """Every step-1 metric from the completions alone: at step 1 the ratio is 1 (and the KL 0: the
+    reference is the starting point), so the loss is -Σ A_i n_i over the loss type's denominator."""
+    rewards = [len(r["completion"].strip()) / 10 for r in logged]
+    assert rewards == pytest.approx([r["rewards"]["chars"] for r in logged], abs=1e-12)
+    adv, zero = [], []
+    for g in range(0, len(rewards), 4):
+        group = rewards[g:g + 4]
+        s = std(group)
+        adv += [(r - sum(group) / 4) / (s + 1e-4) for r in group]
+        zero += [s < 1e-8] * 4
+    assert adv == pytest.approx([r["advantage"] for r in logged], abs=1e-5)
+    n = [r["tokens"] for r in logged]
+    weighted = -sum(a * k for a, k in zip(adv, n))
+    loss = weighted / sum(n) if loss_type == "dapo" else weighted / (len(n) * max_len)
+    return {"loss": loss, "reward": sum(rewards) / len(rewards), "reward_std": std(rewards),
+            "rewards/chars/mean": sum(rewards) / len(rewards), "rewards/chars/std": std(rewards),
+            "frac_reward_zero_std": sum(zero) / len(zero), "completions/mean_length": sum(n) / len(n),
+            "completions/min_length": min(n), "completions/max_length": max(n),
+            "completions/clipped_ratio": sum(r["truncated"] for r in logged) / len(logged),
+            "clip_ratio/low_mean": 0.0, "clip_ratio/high_mean": 0.0, "clip_ratio/region_mean": 0.0,
+            "trained_tokens": sum(n)}
 
 
 @pytest.mark.slow
-def test_one_and_two_ranks_log_the_same_steps(tmp_path, config):
-    path, _ = config
-    run_recipe(tmp_path / "one", config=path, script=GRPO)
-    run_recipe(tmp_path / "two", "parallel.strategy=fsdp2", "train.grad_accum_steps=1", nproc=2, config=path,
-               script=GRPO)
-    one, two = (read_metrics(tmp_path / d) for d in ("one", "two"))
-    one, two = ([r for r in m if "loss" in r] for m in (one, two))
-    assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3]
-    assert any(r["kl"] > 0 for r in one) and any(r["loss"] != 0 for r in one)
-    for a, b in zip(one, two):
-        for k in KEYS:
-            assert a[k] == pytest.approx(b[k], abs=2e-5), (a["step"], k)
-
-
-def test_missing_reward_function_exits_2_before_start(tmp_path, config):
-    path, rewards = config
-    res = run_recipe(tmp_path / "out", f"grpo.reward_funcs=[{rewards}:nope]", config=path, script=GRPO,
-                     torchrun=False, check=False)
-    assert res.returncode == 2 and f"{rewards}:nope" in res.stderr and "has no function 'nope'" in res.stderr
-    assert not (tmp_path / "out").exists()
+@pytest.mark.parametrize("run, loss_type", [("one", "dapo"), ("lora_one", "dr_grpo")])
+def test_step_1_equals_the_formulas_from_the_logged_completions(runs, run, loss_type):
+    logged = [r for r in completions(runs / run) if r["step"] == 1]
+    assert len(logged) == 12 and [r["generation"] for r in logged] == [0, 1, 2, 3] * 3
+    first = records(runs / run)[0]
+    for key, value in expected_step_1(logged, loss_type, 12).items():
+        assert first[key] == pytest.approx(value, abs=1e-5), key
+    assert first["loss"] != 0 and ("kl" in first) == (run == "one")
+    if run == "one":
+        assert first["kl"] == pytest.approx(0, abs=1e-6)
+        later = records(runs / run)
+        assert any(r["kl"] > 1e-6 for r in later) and any(r["clip_ratio/region_mean"] > 0 for r in later)
+        # num_iterations 2: step 2 trains on step 1's completions (the same reward metrics, none sampled)
+        assert later[1]["reward"] == first["reward"] and {r["step"] for r in completions(runs / run)} == {1, 3, 5}
 
 
 @pytest.mark.slow
-def test_a_raising_reward_function_stops_with_one_line(tmp_path, config):
-    path, rewards = config
-    res = run_recipe(tmp_path / "out", f"grpo.reward_funcs=[{rewards}:fails]", "train.max_steps=40", config=path,
-                     script=GRPO, check=False)
-    assert res.returncode != 0
-    line = next(l for l in res.stderr.splitlines() if "reward function" in l)
-    assert f"{rewards}:fails raised ZeroDivisionError" in line and "prompt index" in line
+@pytest.mark.parametrize("base, other", [("one", "fsdp2"), ("one", "fsdp"), ("lora_one", "lora_two")])
+def test_two_ranks_and_other_splits_sample_and_train_the_same(runs, base, other):
+    a, b = records(runs / base), records(runs / other)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4, 5]
+    for x, y in zip(a, b):
+        for k in KEYS + (("kl",) if "kl" in x else ()):
+            assert x[k] == pytest.approx(y[k], abs=2e-5), (x["step"], k)
+    texts = [(r["step"], r["prompt_index"], r["generation"], r["completion"]) for r in completions(runs / base)]
+    assert texts == [(r["step"], r["prompt_index"], r["generation"], r["completion"])
+                     for r in completions(runs / other)]
+
+
+@pytest.mark.slow
+def test_resume_in_a_generation_batch_onto_another_world_size_and_strategy(runs):
+    whole, resumed = records(runs / "one"), records(runs / "part")
+    by_step = {r["step"]: r for r in resumed}  # the resumed run logs steps 4 and 5 after the first part's 1-3
+    assert sorted(by_step) == [1, 2, 3, 4, 5]
+    for x in whole:
+        for k in KEYS + ("kl",):
+            assert x[k] == pytest.approx(by_step[x["step"]][k], abs=2e-5), (x["step"], k)
+    assert [r["completion"] for r in completions(runs / "part") if r["step"] == 5] == \
+        [r["completion"] for r in completions(runs / "one") if r["step"] == 5]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("func, nproc, message", [
+    ("fails", 2, "raised ZeroDivisionError: division by zero (prompt index "),
+    ("short", 1, "returned 1 rewards for 12 completions (prompts "),
+])
+def test_a_failing_reward_function_stops_with_one_line(setup, func, nproc, message):
+    tmp, config = setup
+    spec = f"{tmp / 'rewards.py'}:{func}"
+    out = tmp / f"fail_{func}"
+    res = run_recipe(out, f"grpo.reward_funcs=[{spec}]", "checkpoint.every_steps=1",
+                     f"parallel.strategy={'ddp' if nproc > 1 else 'none'}", nproc=nproc, config=config,
+                     script=GRPO, check=False, torchrun=nproc > 1)
+    assert res.returncode == 1
+    lines = [line for line in res.stderr.splitlines() if "reward function" in line]
+    assert lines and all(f"reward function {spec} {message}" in line for line in lines), res.stderr[-2000:]
+    assert 'grpo.py", line' not in res.stderr  # no traceback from the workers (torchrun prints its own)
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
+    assert not (out / "hf").exists() and not (out / "completions.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_missing_reward_function_exits_2_before_start(setup):
+    tmp, config = setup
+    spec = f"{tmp / 'rewards.py'}:nope"
+    res = run_recipe(tmp / "missing", f"grpo.reward_funcs=[{spec}]", config=config, script=GRPO, torchrun=False,
+                     check=False)
+    assert res.returncode == 2 and f"{spec!r}: " in res.stderr and "has no function 'nope'" in res.stderr
+    assert not (tmp / "missing").exists()

@@ -12,9 +12,24 @@ import itertools
 import json
 import sys
 
-from llmtrain.config import ConfigError, load_config
+import yaml
+
+from llmtrain.config import Config, ConfigError, load_config
 from llmtrain.data import IGNORE, build, check, plural
+from llmtrain.losses.policy import GRPOConfig
+from llmtrain.losses.preference import DPOConfig
 from llmtrain.models.hf import load_tokenizer
+
+RECIPE_CONFIGS = {"dpo": DPOConfig, "grpo": GRPOConfig}  # a recipe's own section -> its Config
+
+
+def config_class(path: str) -> type[Config]:
+    """The Config (sub)class of the recipe whose section the YAML has (configs/demo-dpo.yaml: dpo:)."""
+    try:
+        raw = yaml.safe_load(open(path)) or {}
+    except (OSError, yaml.YAMLError):
+        return Config  # load_config names the problem
+    return next((cls for key, cls in RECIPE_CONFIGS.items() if isinstance(raw, dict) and key in raw), Config)
 
 
 def render(ids: list[int], labels: list[int], tokenizer, colour: bool) -> str:
@@ -74,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", metavar="key.sub=value")
     args = p.parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides, config_class(args.config))
         check(cfg.data)
         summary = summarize(cfg, args.n)
     except ConfigError as e:

@@ -1,6 +1,7 @@
 """The data formats: FORMATS names each one (data.format, data.sources[i].format) with what it does: its
 encoder (record -> tokens), the kind of rows it makes (Rows: tokens packed into rows of data.seq_len, or
-preference pairs collated per micro-batch), whether packing cuts its examples, whether it needs a chat
+preference pairs collated per micro-batch,
+prompts for online RL), whether packing cuts its examples, whether it needs a chat
 template. A new format is one entry here plus its encoder (and the name in config.py's FormatName).
 
 The token formats' encoders are here: record -> (input_ids, labels), labels[i] is input_ids[i] where token i
@@ -9,6 +10,7 @@ stops (data.strict)."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -115,6 +117,28 @@ def _mask_by_offsets(messages: list[dict], tokenizer) -> tuple[list[int], list[i
     return ids, mask
 
 
+def encode_prompt(record: dict, section: DataConfig, tokenizer) -> tuple[list[int], Any, dict]:
+    """A prompt for online RL (recipes/grpo.py): {"prompt": text or messages, ...other columns} -> (prompt ids,
+    the prompt as written, the other columns, which reach the reward functions). Text is tokenized as it is
+    (the tokenizer's special tokens, e.g. BOS); messages are rendered with the chat template and its
+    generation prompt."""
+    prompt = record.get("prompt")
+    if isinstance(prompt, list):
+        prompt = parse_turns(prompt)
+        try:
+            ids = tokenizer.apply_chat_template(prompt, tokenize=True, return_dict=True,
+                                                add_generation_prompt=True)["input_ids"]
+        except TemplateError as e:
+            raise BadRecord(f"the chat template refuses this conversation: {e}") from None
+    elif isinstance(prompt, str) and prompt.strip():
+        ids = tokenizer(prompt)["input_ids"]
+    else:
+        raise BadRecord("field 'prompt' is " + ("empty" if isinstance(prompt, str) else
+                        "missing" if prompt is None else f"{type(prompt).__name__}, not text or a list of messages"))
+    # A column this record lacks reads None (the rows share one schema); the recipe passes None for it too.
+    return list(ids), prompt, {k: v for k, v in record.items() if k != "prompt" and v is not None}
+
+
 @dataclass(frozen=True)
 class Rows:
     """A kind of rows (what a recipe trains on): the columns an encoded record is stored as, and how those
@@ -159,6 +183,26 @@ def _pair_columns(pair: Pair, fmt: Format, section: DataConfig) -> dict:
 
 
 PAIR_INDEX = "pair_index"
+PROMPT_INDEX = "prompt_index"
+
+
+def _prompt_columns(encoded: tuple[list[int], Any, dict], fmt: Format, section: DataConfig) -> dict:
+    """A prompt longer than data.seq_len keeps its last seq_len tokens (TRL's max_prompt_length); labels are
+    all IGNORE (a prompt trains nothing) so that the rows read like token rows (python -m llmtrain.data)."""
+    ids, prompt, columns = encoded
+    kept = ids[-section.seq_len:]
+    return {"input_ids": kept, "labels": [IGNORE] * len(kept), "position_ids": list(range(len(kept))),
+            # JSON text: a prompt may be text or messages, and the columns anything (one Arrow type each)
+            "prompt_json": json.dumps(prompt), "columns_json": json.dumps(columns), "truncated": len(ids) > len(kept)}
+
+
+def _collate_prompts(rows: list[dict], pad_id: int) -> dict:
+    """Prompt rows -> their ids (lists: generation pads them itself), the prompts as written, the other
+    columns (dicts) and their positions in the training rows (PROMPT_INDEX; the sampling keys use them)."""
+    return {"prompt_ids": [r["input_ids"].tolist() for r in rows],
+            "prompts": [json.loads(r["prompt_json"]) for r in rows],
+            "columns": [json.loads(r["columns_json"]) for r in rows],
+            PROMPT_INDEX: torch.stack([r[PROMPT_INDEX] for r in rows])}
 
 
 def _collate_pair_rows(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
@@ -172,12 +216,16 @@ TOKENS = Rows("tokens", _token_columns, {"input_ids": [], "labels": [], "split":
               packs=True)
 PAIRS = Rows("pairs", _pair_columns, {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "truncated": False},
              packs=False, collate=_collate_pair_rows, index=PAIR_INDEX)
+PROMPTS = Rows("prompts", _prompt_columns, {"input_ids": [], "labels": [], "position_ids": [], "prompt_json": "null",
+                                            "columns_json": "{}", "truncated": False},
+               packs=False, collate=_collate_prompts, index=PROMPT_INDEX)
 
 FORMATS: dict[str, Format] = {f.name: f for f in (
     Format("text", encode_text, TOKENS, splits=True),
     Format("instruction", encode_instruction, TOKENS),
     Format("chat", encode_chat, TOKENS, chat_template=True),
     Format("preference", encode_preference, PAIRS, chat_template=True),
+    Format("prompt", encode_prompt, PROMPTS, chat_template=True),
 )}
 
 

@@ -33,7 +33,8 @@ Each micro-batch gives sums (policy_sums), the caller all-reduces the counts (po
 and objective() divides, so 1 or 2 ranks and any accumulation split give the same loss and gradients.
 
 Metrics, TRL's names, each a mean over the global batch's trained tokens (TRL: per micro-batch, the
-same over one micro-batch): kl (beta > 0; the k3 term as in the loss, ratio-weighted or not), clip_ratio/low_mean (ρ < 1 - epsilon with A < 0),
+same over one micro-batch): kl (beta > 0; the k3 term as in the loss, ratio-weighted or not),
+clip_ratio/low_mean (ρ < 1 - epsilon with A < 0),
 clip_ratio/high_mean (ρ > 1 + epsilon_high with A > 0), clip_ratio/region_mean (either); and over the
 completions with a trained token, the smallest fraction of low-clipped tokens (clip_ratio/low_min) and the
 largest of high-clipped ones (clip_ratio/high_max), as TRL's nanmin / nanmax. Reward metrics
@@ -47,7 +48,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from llmtrain.config import Config, ConfigError
+from llmtrain.config import Config, ConfigError, ranged
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -58,25 +59,25 @@ STD_EPS = 1e-4  # TRL's: A = (r - mean) / (std + 1e-4)
 
 @dataclass
 class GRPOSection:
-    num_generations: int = 8
+    num_generations: int = ranged("[2, inf)", default=8)
     """G: completions sampled per prompt (>= 2); a group's advantages are relative to its own mean."""
-    max_completion_length: int = 256
+    max_completion_length: int = ranged("[1, inf)", default=256)
     """Tokens sampled per completion at most; also dr_grpo's constant denominator."""
-    temperature: float = 1.0
+    temperature: float = ranged("(0, inf)", default=1.0)
     """Sampling temperature; the log-probs of the loss use the same (logits / temperature, as TRL)."""
-    top_p: float = 1.0
+    top_p: float = ranged("(0, 1]", default=1.0)
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1: off)."""
-    top_k: int = 0
+    top_k: int = ranged("[0, inf)", default=0)
     """Keep the top_k most likely tokens only (0: off)."""
-    epsilon: float = 0.2
+    epsilon: float = ranged("[0, 1)", default=0.2)
     """Lower clipping bound of the ratio: 1 - epsilon."""
-    epsilon_high: float | None = None
+    epsilon_high: float | None = ranged("[0, inf)", default=None)
     """Upper clipping bound: 1 + epsilon_high (None: epsilon; DAPO's clip-higher uses 0.28)."""
-    beta: float = 0.0
+    beta: float = ranged("[0, inf)", default=0.0)
     """KL penalty to the reference model (k3 estimator); 0 builds no reference."""
     use_bias_correction_kl: bool = True
     """beta > 0: multiply the per-token KL by the importance ratio (TRL 1.16's default, DeepSeek-V3.2)."""
-    num_iterations: int = 1
+    num_iterations: int = ranged("[1, inf)", default=1)
     """Updates per generation batch (mu); > 1 takes the ratio against the log-probs at sampling time."""
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
     """How per-token losses are aggregated (llmtrain/losses/policy.py's docstring): grpo (mean per completion,
@@ -91,8 +92,8 @@ class GRPOSection:
     """Reward functions, "package.module:function" or "path/to/file.py:function", each called as TRL does:
     f(prompts, completions, completion_ids, **columns) -> list[float | None]. Built-ins:
     llmtrain.rewards:exact_answer, llmtrain.rewards:format_regex."""
-    reward_weights: list[float] | None = None
-    """One weight per reward function (None: all 1)."""
+    reward_weights: list[float] = ranged("[0, inf)", default_factory=list)
+    """One weight per reward function (empty: all 1); a penalty is a function returning negative rewards."""
 
 
 @dataclass
@@ -122,13 +123,14 @@ def check(section: GRPOSection) -> None:
     if s.beta < 0:
         raise ConfigError("grpo.beta must be >= 0")
     if s.loss_type not in LOSS_TYPES:
-        raise ConfigError(f"grpo.loss_type: {s.loss_type!r} is not a valid choice; choose one of {', '.join(LOSS_TYPES)}")
+        raise ConfigError(f"grpo.loss_type: {s.loss_type!r} is not a valid choice; choose one of "
+                          f"{', '.join(LOSS_TYPES)}")
     if s.scale_rewards not in SCALE_REWARDS:
         raise ConfigError(f"grpo.scale_rewards: {s.scale_rewards!r} is not a valid choice; choose one of "
                           f"{', '.join(SCALE_REWARDS)}")
     if not s.reward_funcs:
         raise ConfigError("grpo.reward_funcs: name at least one reward function, e.g. [llmtrain.rewards:exact_answer]")
-    if s.reward_weights is not None and len(s.reward_weights) != len(s.reward_funcs):
+    if s.reward_weights and len(s.reward_weights) != len(s.reward_funcs):
         raise ConfigError(f"grpo.reward_weights: {len(s.reward_weights)} weights for {len(s.reward_funcs)} "
                           "grpo.reward_funcs; give one per function")
 
@@ -145,7 +147,7 @@ def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
 def combine_rewards(per_func: torch.Tensor, weights: list[float] | None) -> torch.Tensor:
     """[completions, functions] rewards (NaN: not applicable) -> weighted nansum per completion, NaN where
     no function applied (TRL's unscorable completions)."""
-    w = per_func.new_tensor(weights if weights is not None else [1.0] * per_func.shape[1])
+    w = per_func.new_tensor(weights or [1.0] * per_func.shape[1])
     rewards = (per_func * w).nansum(1)
     return rewards.masked_fill(torch.isnan(per_func).all(1), float("nan"))
 
@@ -234,7 +236,8 @@ def policy_sums(logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Tenso
     with torch.no_grad():
         low = (ratio < 1 - epsilon) & (adv < 0)
         high_clipped = (ratio > 1 + high) & (adv > 0)
-        metrics = torch.stack([(kl * m).sum(), (low * m).sum(), (high_clipped * m).sum(), ((low | high_clipped) * m).sum()])
+        metrics = torch.stack([(kl * m).sum(), (low * m).sum(), (high_clipped * m).sum(),
+                               ((low | high_clipped) * m).sum()])
         scored = m.sum(1) > 0
         n = m.sum(1)[scored]
         inf = torch.tensor(float("inf"), device=m.device)
@@ -254,13 +257,15 @@ def objective(sums: PolicySums, totals: torch.Tensor, loss_type: str, max_comple
     return sums.loss / tokens.clamp(min=1)  # bnpo, dapo
 
 
-def metrics(summed: torch.Tensor, minima: torch.Tensor, tokens: float, beta: float) -> dict[str, float]:
+def metrics(summed: torch.Tensor, minima: torch.Tensor | None, tokens: float, beta: float) -> dict[str, float]:
     """METRICS as means over trained tokens, from PolicySums.metrics summed over micro-batches and ranks
     (kl only with beta > 0, as TRL logs it), and EXTREMES from PolicySums.minima combined with MIN (left
     out when no completion had a trained token)."""
     out = {name: value / max(tokens, 1) for name, value in zip(METRICS, summed.tolist())}
     if not beta:
         del out["kl"]
+    if minima is None:  # not combined with MIN (the shared accumulation sums)
+        return out
     low, neg_high = minima.tolist()
     if low != float("inf"):
         out.update({EXTREMES[0]: low, EXTREMES[1]: -neg_high})

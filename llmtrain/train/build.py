@@ -133,13 +133,18 @@ def build(cfg: Config, env: distributed.DistEnv, recipe: str, registered: list[R
                ckpt, state, metrics, token_loss, preemption)
 
 
-def data_steps(run: Run, unit: str):
+def data_steps(run: Run, unit: str, rows_per_step: int | None = None):
     """The data (one global order, whatever the world size or accumulation split; resumes at the saved
-    position) -> (data.Built, the step iterator). unit: what a row of the global batch is, for the log."""
+    position) -> (data.Built, the step iterator). unit: what a row of the global batch is, for the log.
+    rows_per_step: every rank gets the step's whole global batch of that many rows as one batch (GRPO's
+    prompts, whose completions the ranks share out); None: this rank's micro-batches of the global batch."""
     cfg, env = run.cfg, run.env
     built = data.build(cfg.data, run.tokenizer, cfg.train.seed, env.is_main, env.rank, env.world_size)
-    steps = data.make_steps(built, cfg.train.micro_batch_size, cfg.train.grad_accum_steps, env.world_size,
-                            env.rank, cfg.train.seed, env.device, run.state.data)
+    if rows_per_step is None:
+        steps = data.make_steps(built, cfg.train.micro_batch_size, cfg.train.grad_accum_steps, env.world_size,
+                                env.rank, cfg.train.seed, env.device, run.state.data)
+    else:
+        steps = data.make_steps(built, rows_per_step, 1, 1, 0, cfg.train.seed, env.device, run.state.data)
     run.metrics.info(f"data: {built.stats.summary()} | global batch {run.global_batch} {unit} of "
                      f"{cfg.data.seq_len} tokens")
     return built, steps

@@ -11,7 +11,7 @@ from typing import Callable
 
 from llmtrain import checkpoint, data, distributed, launch, lock, parallelize
 from llmtrain import metrics as metrics_lib
-from llmtrain.config import Config, ConfigError, describe, load_config, to_yaml
+from llmtrain.config import Config, ConfigError, RunError, describe, load_config, to_yaml
 from llmtrain.losses import token as loss_lib
 from llmtrain.models import hf as model_lib
 from llmtrain.models import lora, nf4
@@ -82,7 +82,7 @@ def main(argv: list[str] | None, usage: str, config_cls: type[Config],
         return 0
     except Preempted:
         return distributed.PREEMPTED_EXIT_CODE
-    except (ConfigError, FloatingPointError, checkpoint.SaveError, distributed.PreflightError) as e:
+    except (ConfigError, RunError, FloatingPointError, checkpoint.SaveError, distributed.PreflightError) as e:
         print(f"error (rank {env.rank}): {e}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 1
     except Exception:

@@ -51,7 +51,7 @@ def loop(run: Run, steps: Iterator[list[dict]], step: Callable[[list[dict]], Ste
         state.tokens_seen += result.n_tokens
         state.skipped_steps += not result.ok
         state.data = steps.position()
-        perf.add(batches, time.perf_counter() - t0 - data_wait)
+        perf.add(result.rows or batches, time.perf_counter() - t0 - data_wait)
         metrics.step(result.loss, perf.last_tokens_per_sec)
         last = state.step == cfg.train.max_steps
         if state.step % cfg.log.every_steps == 0 or last:

@@ -52,6 +52,10 @@ class Recipe:
         """Extra models, the objective and anything else the step needs, once the policy and the data exist."""
         self.run = run
 
+    def steps(self, run: Run) -> tuple[data.Built, object]:
+        """The data and the iterator of the steps' batches (by default this rank's micro-batches of rows)."""
+        return data_steps(run, self.unit)
+
     def step(self, batches: list[dict]) -> StepResult:
         """One optimizer step; by default one accumulation over the micro-batches of the recipe's objective."""
         return accumulate(self.run.stepper, batches, self.objective)
@@ -63,7 +67,7 @@ class Recipe:
     # -- the shared body ---------------------------------------------------------------------------
     def train(self, cfg: Config, env) -> nn.Module:
         run = build(cfg, env, type(self).__name__.lower(), self.registered(cfg))
-        built, steps = data_steps(run, self.unit)
+        built, steps = self.steps(run)
         self.setup(run, built)
         return loop.loop(run, steps, self.step, self.evaluate)
 

@@ -24,6 +24,8 @@ class StepResult(NamedTuple):
     n_tokens: int
     ok: bool
     extra: dict = {}
+    rows: list | None = None  # the micro-batches trained on, for throughput, when not the step's data batches
+                              # (GRPO: the sampled completions, not the prompts)
 
 
 class Share(NamedTuple):
