@@ -59,14 +59,14 @@ def _read_yaml(path: Path) -> dict:
     return _local_data_files(config, path)
 
 
-def _local_data_files(config: dict, path: Path) -> dict:
+def _local_data_files(task: dict, path: Path) -> dict:
     """Relative data_files -> the YAML's folder (where a bundled task keeps its data) when they exist there,
     else as lm-eval reads them (from the current directory); a file in neither place is an error now."""
-    kwargs = config.get("dataset_kwargs") or {}
+    kwargs = task.get("dataset_kwargs") or {}
     files = kwargs.get("data_files")
-    if not files or config.get("dataset_path") not in LOCAL_BUILDERS:  # else: relative to the dataset's own root
-        return config
-    name = config.get("task", path.stem)
+    if not files or task.get("dataset_path") not in LOCAL_BUILDERS:  # else: relative to the dataset's own root
+        return task
+    name = task.get("task", path.stem)
 
     def resolve(f: str) -> str:
         for candidate in (path.parent / f, Path(f)):
@@ -79,15 +79,15 @@ def _local_data_files(config: dict, path: Path) -> dict:
         return [resolve(f) for f in fs] if isinstance(fs, list) else resolve(fs)
 
     files = {split: resolve_all(fs) for split, fs in files.items()} if isinstance(files, dict) else resolve_all(files)
-    return {**config, "dataset_kwargs": {**kwargs, "data_files": files}}
+    return {**task, "dataset_kwargs": {**kwargs, "data_files": files}}
 
 
 LOCAL_HINT = ("copy the task YAML and point it at local files (dataset_path: json, "
               "dataset_kwargs: {data_files: {test: path/to/test.jsonl}})")
 
 
-def _check_offline(name: str, config: dict, where: str) -> None:
-    path = config.get("dataset_path")
+def _check_offline(name: str, task: dict, where: str) -> None:
+    path = task.get("dataset_path")
     if path and path not in LOCAL_BUILDERS and not Path(path).exists() and not _in_hf_cache(path):
         raise EvalError(f"task {name} ({where}) needs dataset_path={path} from the Hugging Face Hub, and this run "
                         f"is offline: {LOCAL_HINT}")
@@ -143,7 +143,7 @@ def load_tasks(specs: list[str]) -> Tasks:
             if entry.cfg:
                 _check_offline(config, entry.cfg, str(entry.yaml_path or "lm-eval"))
         else:
-            _check_offline(config.get("task", spec), config, spec)
+            _check_offline(config["task"] if "task" in config else spec, config, spec)
         try:
             built = manager.load([config])
         except EvalError:

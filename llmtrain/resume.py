@@ -125,8 +125,9 @@ def compare(saved_cfg: dict, saved_state: dict, saved_model: dict, cfg: Config, 
         differs("data.path", f"{'; '.join(paths) or 'data.path'}: the data files differ from the checkpoint's "
                               f"(fingerprint {saved_identity['data']} -> {data_fingerprint(cfg.data)}); the data "
                               "position would point into other data")
-    arch = [f"{k} {saved_model.get(k)} -> {model_config.get(k)}" for k in ARCHITECTURE
-            if saved_model.get(k) != model_config.get(k)]
+    new_model = {k: model_config[k] for k in ARCHITECTURE if k in model_config}  # config.json's absent keys: None
+    arch = [f"{k} {saved_model.get(k)} -> {new_model.get(k)}" for k in ARCHITECTURE
+            if saved_model.get(k) != new_model.get(k)]
     if arch:
         key = "model.path" if cfg.model.path is not None else "model.config"
         differs(key, f"{key}: another architecture than the checkpoint's ({', '.join(arch)}); its tensors cannot "
