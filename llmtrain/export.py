@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
+import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -21,7 +24,14 @@ from llmtrain.models import lora, nf4
 from llmtrain.models.hf import WEIGHTS_FILE, WEIGHTS_INDEX, stop_ids
 from llmtrain.models.names import peft_key
 from llmtrain.parallelize import Strategy
-from llmtrain.utils import publish
+from llmtrain.utils import free_bytes, megabytes, no_space, publish
+
+RETRY_S = 10.0  # between two tries of an export that did not fit
+
+
+class ExportError(RuntimeError):
+    """The export could not be written; every rank raises it with the same message."""
+    collective = True
 
 
 def _fresh(out: Path) -> Path:
@@ -76,33 +86,76 @@ def write_adapter(trained: dict[str, torch.Tensor], out: Path, section: LoraConf
     publish(tmp, out)
 
 
+def written(write: Callable[[], None] | None, out: Path, size: int, wait_minutes: float) -> None:
+    """Collective: rank 0 runs `write` (the other ranks pass None) until it fits. A full disk never loses the
+    weights `write` holds in memory: the partial `<out>.tmp` goes, and rank 0 tries again every RETRY_S while
+    the user frees space, for up to wait_minutes; then every rank raises ExportError saying so. Every rank
+    learns each try's outcome (a broadcast), so none dies waiting on a rank that failed."""
+    deadline, warned = time.monotonic() + 60 * wait_minutes, False
+    while True:
+        outcome: list = [None]  # None: written | "retry" | the message of a failure
+        if write is not None:
+            try:
+                write()
+            except Exception as e:
+                shutil.rmtree(out.with_name(out.name + ".tmp"), ignore_errors=True)
+                if not no_space(e):
+                    dist.broadcast_object_list([f"the export to {out} failed on rank 0: {type(e).__name__}"], src=0)
+                    raise
+                free = megabytes(free_bytes(out))
+                if time.monotonic() < deadline:
+                    if not warned:
+                        warned = True
+                        print(f"warning: no space left on device in {out.parent}: the export {out.name} needs about "
+                              f"{megabytes(size)}, {free} free. The trained weights are kept in memory: free space "
+                              f"there; retrying every {RETRY_S:g} s for up to {wait_minutes:g} minutes "
+                              "(checkpoint.export_wait_minutes)", file=sys.stderr, flush=True)
+                    outcome = ["retry"]
+                else:
+                    outcome = [f"no space left on device in {out.parent}: the export {out.name} (about "
+                               f"{megabytes(size)}) could not be written ({free} free after waiting "
+                               f"{wait_minutes:g} minutes, checkpoint.export_wait_minutes); the partial "
+                               f"{out.name}.tmp was removed, and the trained weights are not on disk"]
+        dist.broadcast_object_list(outcome, src=0)
+        if outcome[0] is None:
+            return
+        if outcome[0] != "retry":
+            raise ExportError(outcome[0])
+        if write is not None:
+            time.sleep(RETRY_S)
+
+
+def _bytes(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> int:
+    return sum(t.numel() * (dtype.itemsize if dtype else t.element_size()) for t in state.values())
+
+
 def export_hf(model: nn.Module, strategy: Strategy, device: torch.device, out: str | Path, config, tokenizer,
-              dtype: torch.dtype = torch.float32, max_shard_size: str = "5GB") -> None:
-    """Collective: all ranks gather, rank 0 writes, all ranks wait until the export is complete."""
-    state = strategy.full_state_dict(model, device)
-    if dist.get_rank() == 0:
-        write_hf(state, Path(out), config, tokenizer, dtype, max_shard_size)
-    dist.barrier()
+              dtype: torch.dtype = torch.float32, max_shard_size: str = "5GB", wait_minutes: float = 0.0) -> None:
+    """Collective: all ranks gather, rank 0 writes (see `written`), all ranks learn the outcome."""
+    state, out = strategy.full_state_dict(model, device), Path(out)
+    main = dist.get_rank() == 0
+    written((lambda: write_hf(dict(state), out, config, tokenizer, dtype, max_shard_size)) if main else None, out,
+            _bytes(state, dtype), wait_minutes)
 
 
 def export_lora(model: nn.Module, strategy: Strategy, device: torch.device, output_dir: Path, step_dir: str,
                 section: LoraConfig, base_path: str | None, model_config, tokenizer, dtype: torch.dtype,
-                max_shard_size: str) -> list[Path]:
+                max_shard_size: str, wait_minutes: float = 0.0) -> list[Path]:
     """Collective. output_dir/adapter[/step_dir] (PEFT) and/or output_dir/hf[/step_dir] (merged), as
     lora.export says; returns what was written."""
-    written = []
+    written_dirs, main = [], dist.get_rank() == 0
     if section.export in ("adapter", "both"):
         adapters = strategy.full_state_dict(model, device, trainable_only=True)
         out = output_dir / "adapter" / step_dir
-        if dist.get_rank() == 0:
-            write_adapter(adapters, out, section, base_path)
-        written.append(out)
+        written((lambda: write_adapter(adapters, out, section, base_path)) if main else None, out,
+                _bytes(adapters, torch.float32), wait_minutes)
+        written_dirs.append(out)
     if section.export in ("merged", "both"):
         state = strategy.full_state_dict(model, device)
         out = output_dir / "hf" / step_dir
-        if dist.get_rank() == 0:  # a QLoRA base merges as the dequantized weights it trained on
-            state = {k: nf4.dequantized(v) for k, v in state.items()}
-            write_hf(lora.merged_state(state, section), out, model_config, tokenizer, dtype, max_shard_size)
-        written.append(out)
-    dist.barrier()
-    return written
+        if main:  # a QLoRA base merges as the dequantized weights it trained on
+            state = lora.merged_state({k: nf4.dequantized(v) for k, v in state.items()}, section)
+        written((lambda: write_hf(dict(state), out, model_config, tokenizer, dtype, max_shard_size)) if main else None,
+                out, _bytes(state, dtype), wait_minutes)
+        written_dirs.append(out)
+    return written_dirs
