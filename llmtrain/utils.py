@@ -50,7 +50,8 @@ def publish(tmp: Path, final: Path) -> None:
 
 def no_space(exc: BaseException | None) -> bool:
     """Whether `exc` (or what caused it, or a rank's failure inside a DCP CheckpointException) is a full disk:
-    ENOSPC, or the safetensors/Rust wording of it ("No space left on device", "StorageFull")."""
+    ENOSPC, the safetensors/Rust wording of it ("No space left on device", "StorageFull"), or torch.save's zip
+    writer after a short write ("[enforce fail at inline_container.cc] unexpected pos", its only symptom)."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -58,7 +59,7 @@ def no_space(exc: BaseException | None) -> bool:
             return True
         if any(no_space(failure[0]) for failure in getattr(exc, "failures", {}).values()):
             return True
-        if "No space left on device" in str(exc) or "StorageFull" in str(exc):
+        if any(sign in str(exc) for sign in ("No space left on device", "StorageFull", "unexpected pos")):
             return True
         exc = exc.__cause__ or exc.__context__
     return False

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from jinja2 import TemplateError
@@ -132,6 +132,16 @@ class Rows:
     index: str | None = None
     """A column numbering the training rows, carried into their batches (pairs: precomputed reference
     log-probs are looked up by it, llmtrain/reference_cache.py)."""
+    parts: Callable[[dict], list[RowPart]] | None = None
+    """A stored row -> its named token sequences with their trained spans, for `python -m llmtrain.data`;
+    None: every token column of `empty` is shown as it is, untrained."""
+
+
+class RowPart(NamedTuple):
+    """One token sequence of a row as the data inspector shows it: labels[i] != IGNORE where token i is trained."""
+    name: str
+    ids: list[int]
+    labels: list[int]
 
 
 @dataclass(frozen=True)
@@ -168,10 +178,18 @@ def _collate_pair_rows(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]
     return {**batch, PAIR_INDEX: torch.stack([r[PAIR_INDEX] for r in rows])} if PAIR_INDEX in rows[0] else batch
 
 
+def _pair_parts(row: dict) -> list[RowPart]:
+    """The prompt conditions; both responses are trained (their log-probs make the preference loss)."""
+    prompt, chosen, rejected = (list(map(int, row[c])) for c in ("prompt_ids", "chosen_ids", "rejected_ids"))
+    return [RowPart("prompt", prompt, [IGNORE] * len(prompt)), RowPart("chosen", chosen, chosen),
+            RowPart("rejected", rejected, rejected)]
+
+
 TOKENS = Rows("tokens", _token_columns, {"input_ids": [], "labels": [], "split": False, "truncated": False},
-              packs=True)
+              packs=True, parts=lambda row: [RowPart("", list(map(int, row["input_ids"])),
+                                                     list(map(int, row["labels"])))])
 PAIRS = Rows("pairs", _pair_columns, {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "truncated": False},
-             packs=False, collate=_collate_pair_rows, index=PAIR_INDEX)
+             packs=False, collate=_collate_pair_rows, index=PAIR_INDEX, parts=_pair_parts)
 
 FORMATS: dict[str, Format] = {f.name: f for f in (
     Format("text", encode_text, TOKENS, splits=True),
