@@ -98,6 +98,10 @@ class DataConfig:
     preference: {prompt, chosen, rejected} pairs, text or messages (recipes/dpo.py)."""
     sources: list[SourceConfig] | None = None
     """Several sources mixed by weight: [{path, format, weight}, ...] (instead of data.path/format)."""
+    chat_template: str | None = None
+    """The chat template the chat and preference formats render with: Jinja text, or a .jinja file, or a .json
+    file with a chat_template key (a tokenizer_config.json); unset: the tokenizer's own, else llmtrain's
+    default, whose markers that tokenizer learns as plain text (said at start-up)."""
     seq_len: int = ranged("[1, inf)", default=256)
     """Tokens per training row; longer examples are truncated (text: split)."""
     packing: bool = True

@@ -115,6 +115,7 @@ def summarize(cfg: Config, n: int) -> dict:
         "skipped": built.stats.skipped,
         "skip_reasons": built.stats.reasons,
         "streaming": cfg.data.streaming,
+        "chat_template_note": built.stats.template_note,
     }
 
 
@@ -145,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(summary))
         return 0
+    if summary["chat_template_note"]:
+        print(summary["chat_template_note"])
     colour = sys.stdout.isatty()
     tokenizer = load_tokenizer(cfg.tokenizer.path or cfg.model.path, cfg.model.trust_remote_code)
     for i, sample in enumerate(summary["samples"]):

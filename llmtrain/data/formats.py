@@ -199,7 +199,23 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
 )}
 
 
-def prepare_tokenizer(tokenizer, formats: set[str]) -> None:
-    """A tokenizer without a chat template gets DEFAULT_CHAT_TEMPLATE when one of these formats needs one."""
-    if any(FORMATS[f].chat_template for f in formats) and not tokenizer.chat_template:
-        tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+DEFAULT_MARKERS = ("<|start_header_id|>", "<|end_header_id|>")
+
+
+def prepare_tokenizer(tokenizer, formats: set[str], template: str | None = None) -> str | None:
+    """When one of these formats needs a chat template: `template` (data.chat_template's text) if given, else
+    the tokenizer's own, else DEFAULT_CHAT_TEMPLATE. Returns a line for the start-up log when it is not the
+    tokenizer's own template, saying what that means."""
+    if not any(FORMATS[f].chat_template for f in formats):
+        return None
+    if template is not None:
+        tokenizer.chat_template = template
+        return "chat template: data.chat_template (not the tokenizer's own)"
+    if tokenizer.chat_template:
+        return None
+    tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+    plain = [m for m in DEFAULT_MARKERS if m not in tokenizer.get_vocab()]
+    meaning = (f"its markers {' '.join(plain)} are not special tokens of this tokenizer and are learned as plain "
+               "text (several tokens each)") if plain else "its markers are tokens of this tokenizer"
+    return (f"chat template: the tokenizer has none, so llmtrain's default (Llama 3 style) is used: {meaning}; "
+            "set data.chat_template (a Jinja template, or a .jinja/.json file) to choose one")

@@ -160,6 +160,8 @@ def data_steps(run: Run, unit: str):
                             env.rank, cfg.train.seed, env.device, run.state.data)
     run.metrics.info(f"data: {built.stats.summary()} | global batch {run.global_batch} {unit} of "
                      f"{cfg.data.seq_len} tokens")
+    if built.stats.template_note:
+        run.metrics.info(built.stats.template_note)
     return built, steps
 
 
