@@ -121,8 +121,7 @@ def written(write: Callable[[], None] | None, out: Path, size: int, wait_minutes
             return
         if outcome[0] != "retry":
             raise ExportError(outcome[0])
-        if write is not None:
-            time.sleep(RETRY_S)
+        time.sleep(RETRY_S)  # every rank: none waits in a collective meanwhile
 
 
 def _bytes(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> int:
