@@ -91,7 +91,7 @@ def written(write: Callable[[], None] | None, out: Path, size: int, wait_minutes
     weights `write` holds in memory: the partial `<out>.tmp` goes, and rank 0 tries again every RETRY_S while
     the user frees space, for up to wait_minutes; then every rank raises ExportError saying so. Every rank
     learns each try's outcome (a broadcast), so none dies waiting on a rank that failed."""
-    deadline, warned = time.monotonic() + 60 * wait_minutes, False
+    deadline, warned, error = time.monotonic() + 60 * wait_minutes, False, None
     while True:
         outcome: list = [None]  # None: written | "retry" | the message of a failure
         if write is not None:
@@ -99,29 +99,42 @@ def written(write: Callable[[], None] | None, out: Path, size: int, wait_minutes
                 write()
             except Exception as e:
                 shutil.rmtree(out.with_name(out.name + ".tmp"), ignore_errors=True)
-                if not no_space(e):
-                    dist.broadcast_object_list([f"the export to {out} failed on rank 0: {type(e).__name__}"], src=0)
-                    raise
-                free = megabytes(free_bytes(out))
-                if time.monotonic() < deadline:
+                if not no_space(e):  # rank 0 raises it itself (its traceback), the others an ExportError
+                    error = e
+                    outcome = [f"the export to {out} failed on rank 0: {type(e).__name__}: {e}"[:500]]
+                elif time.monotonic() < deadline:
                     if not warned:
                         warned = True
                         print(f"warning: no space left on device in {out.parent}: the export {out.name} needs about "
-                              f"{megabytes(size)}, {free} free. The trained weights are kept in memory: free space "
-                              f"there; retrying every {RETRY_S:g} s for up to {wait_minutes:g} minutes "
-                              "(checkpoint.export_wait_minutes)", file=sys.stderr, flush=True)
+                              f"{megabytes(size)}, {megabytes(free_bytes(out))} free. The trained weights are kept "
+                              f"in memory: free space there; retrying every {RETRY_S:g} s for up to "
+                              f"{wait_minutes:g} minutes (checkpoint.export_wait_minutes)", file=sys.stderr,
+                              flush=True)
                     outcome = ["retry"]
                 else:
                     outcome = [f"no space left on device in {out.parent}: the export {out.name} (about "
-                               f"{megabytes(size)}) could not be written ({free} free after waiting "
-                               f"{wait_minutes:g} minutes, checkpoint.export_wait_minutes); the partial "
+                               f"{megabytes(size)}) could not be written ({megabytes(free_bytes(out))} free after "
+                               f"waiting {wait_minutes:g} minutes, checkpoint.export_wait_minutes); the partial "
                                f"{out.name}.tmp was removed, and the trained weights are not on disk"]
-        dist.broadcast_object_list(outcome, src=0)
-        if outcome[0] is None:
-            return
-        if outcome[0] != "retry":
-            raise ExportError(outcome[0])
+        agreed = _agree(outcome)
+        if agreed != "retry":
+            break
         time.sleep(RETRY_S)  # every rank: none waits in a collective meanwhile
+    if agreed is None:
+        return
+    if error is not None:
+        raise error
+    raise ExportError(agreed)
+
+
+def _agree(outcome: list) -> str | None:
+    """Collective: rank 0's outcome of a try, on every rank."""
+    dist.broadcast_object_list(outcome, src=0)
+    # gloo's worker thread frees the broadcast's tensors after the call returns, taking the GIL: were the
+    # process group torn down meanwhile (the run's end), its destructor would wait for that thread while
+    # holding the GIL (a deadlock, seen at torch 2.13). A barrier (no Python tensors) lets it finish first.
+    dist.barrier()
+    return outcome[0]
 
 
 def _bytes(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> int:

@@ -147,5 +147,5 @@ def test_final_export_waits_for_space_and_keeps_the_weights(small_fs):
     assert f"in {out}: the export hf needs about" in warning
     assert "The trained weights are kept in memory: free space there; retrying every 10 s for up to 2 minutes" \
         in warning
-    assert len(load_file(out / "hf" / "model.safetensors")) == 21  # embed + 2 x 9 per layer + norm (tied head)
+    assert len(load_file(out / "hf" / "model.safetensors")) == 20  # embed + 2 x 9 per layer + norm (tied head)
     assert not (out / "hf.tmp").exists()

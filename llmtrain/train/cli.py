@@ -77,11 +77,8 @@ def main(argv: list[str] | None, usage: str, config_cls: type[Config],
     except distributed.PreflightError as e:  # a rank missing or unreachable, named, within the preflight timeout
         print(f"error: preflight failed: {e}", file=sys.stderr)
         return 1
-    # The model outlives the process group: freed before it (seen after an export that failed and was retried),
-    # DDP's reducer deadlocked in ProcessGroupGloo's destructor, joining a gloo thread that waited for the GIL.
-    trained = None
     try:
-        trained = train(cfg, env)
+        train(cfg, env)
         return 0
     except Preempted:
         return distributed.PREEMPTED_EXIT_CODE
@@ -94,7 +91,6 @@ def main(argv: list[str] | None, usage: str, config_cls: type[Config],
     finally:
         lock.release()
         distributed.shutdown()
-        del trained
 
 
 def report(e: Exception, output_dir: str, rank: int) -> None:
