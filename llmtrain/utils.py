@@ -1,5 +1,5 @@
 """Small helpers every layer may use (a leaf: imports nothing of llmtrain): dtype names, giving freed heap
-back to the OS, and publishing a directory atomically."""
+back to the OS, publishing a directory atomically, and telling a full disk (free space, ENOSPC in any form)."""
 
 from __future__ import annotations
 
