@@ -40,6 +40,17 @@ def test_a_dpo_config_shows_prompt_chosen_and_rejected_with_their_trained_spans(
     assert "--- 1000 examples -> 1000 pairs; " in out
 
 
+def test_token_rows_show_their_trained_spans(capsys):
+    rc, out, err = inspect(capsys, "--config", TINY, "--json", "--n", "1", "data.path=data/demo/instruct.jsonl",
+                           "data.format=instruction", "data.seq_len=128")
+    assert rc == 0, err
+    summary = json.loads(out)
+    assert summary["rows_kind"] == "tokens" and 0.5 < summary["packing_efficiency"] <= 1
+    (part,) = summary["samples"][0]["parts"]
+    assert part["name"] == "" and "[[" in part["text"] and summary["samples"][0]["text"] == part["text"]
+    assert 0 < summary["trained_tokens"] < summary["num_tokens"]
+
+
 def test_a_finetune_config_with_preference_data_shows_pairs(capsys):
     rc, out, err = inspect(capsys, "--config", TINY, "--json", "--n", "1", "data.path=data/demo/preference.jsonl",
                            "data.format=preference")

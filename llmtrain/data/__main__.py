@@ -94,9 +94,9 @@ def summarize(cfg: Config, n: int) -> dict:
             num_tokens += len(part.ids)
             trained += sum(1 for x in part.labels if x != IGNORE)
         if kind.packs:  # the first token's label never carries a loss (nothing predicts it)
-            ids, labels = list(row["input_ids"]), list(row["labels"])
+            ids, labels = list(map(int, row["input_ids"])), list(map(int, row["labels"]))
             trained -= labels[0] != IGNORE
-            real += len(ids) - _pad_tail(ids, labels, list(row["position_ids"]), tokenizer.pad_token_id)
+            real += len(ids) - _pad_tail(ids, labels, list(map(int, row["position_ids"])), tokenizer.pad_token_id)
     samples = []
     for row in sample_rows:
         parts = [{"name": p.name, "input_ids": p.ids, "labels": p.labels,
