@@ -146,8 +146,9 @@ def export_hf(model: nn.Module, strategy: Strategy, device: torch.device, out: s
     """Collective: all ranks gather, rank 0 writes (see `written`), all ranks learn the outcome."""
     state, out = strategy.full_state_dict(model, device), Path(out)
     main = dist.get_rank() == 0
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()  # written once (write_hf)
     written((lambda: write_hf(dict(state), out, config, tokenizer, dtype, max_shard_size)) if main else None, out,
-            _bytes(state, dtype), wait_minutes)
+            _bytes({k: v for k, v in state.items() if k not in tied}, dtype), wait_minutes)
 
 
 def export_lora(model: nn.Module, strategy: Strategy, device: torch.device, output_dir: Path, step_dir: str,

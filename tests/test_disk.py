@@ -112,7 +112,7 @@ def test_final_export_on_a_full_disk_ends_with_the_same_clear_error_on_every_ran
     assert res.returncode == 1
     assert f"warning: output_dir {out} has 3.0 MiB free, but the run writes the export about 5.0 MiB" in res.stdout
     line = first_error(res.stderr)
-    assert line.startswith(f"error: no space left on device in {out}: the export hf (about ")
+    assert line.startswith(f"error: no space left on device in {out}: the export hf (about 5.0 MiB) could not ")
     assert "could not be written (3.0 MiB free after waiting 0.05 minutes" in line
     assert "the partial hf.tmp was removed, and the trained weights are not on disk" in line
     assert "Connection closed by peer" not in res.stderr + res.stdout and "SafetensorError" not in res.stderr
