@@ -26,7 +26,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from llmtrain.config import CheckpointConfig, ConfigError
 from llmtrain.parallelize import without_frozen
+from llmtrain.utils import free_bytes, megabytes, no_space
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"
@@ -45,6 +46,7 @@ HF_CONFIG_DIR = "hf_config"
 STATE_DIR = "state"  # registered objects' JSON
 # DCP's load fails on any key of these missing from the checkpoint, so set_state_dict may be non-strict.
 SAVED = StateDictOptions(ignore_frozen_params=True)
+ADAM_STATES = 2  # AdamW keeps exp_avg and exp_avg_sq per trained parameter, each the parameter's size
 
 
 @dataclass
@@ -239,10 +241,54 @@ def check_resume(section: CheckpointConfig) -> None:
                           f"(no {STATE_FILE} or .metadata); use auto, never or a checkpoints/step_<N> path")
 
 
+def checkpoint_bytes(model: nn.Module) -> int:
+    """About what one checkpoint weighs on disk, all ranks together: the trained parameters and AdamW's two
+    states for each (a DTensor's numel is the whole tensor's, so a sharded model counts once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) * (1 + ADAM_STATES)
+
+
+def space_warning(output_dir: str, checkpoint_size: int, kept: int, export_size: int, world: int) -> str | None:
+    """One line when output_dir's filesystem has less free space than the run will write: `kept` checkpoints
+    at a time (0: none planned) and the export, with the numbers; None when it fits."""
+    free = free_bytes(output_dir)
+    if free >= checkpoint_size * kept + export_size:
+        return None
+    parts = [f"the export about {megabytes(export_size)}"]
+    if kept:
+        per_rank = f", {megabytes(checkpoint_size // world)} per rank" if world > 1 else ""
+        parts.insert(0, f"{kept} checkpoint{'s' * (kept > 1)} of about {megabytes(checkpoint_size)} each "
+                        f"(checkpoint.keep_last and every_steps{per_rank})")
+    return (f"output_dir {output_dir} has {megabytes(free)} free, but the run writes {' and '.join(parts)}: it "
+            "will fail with 'no space left on device' when it gets there unless space is freed first")
+
+
+def short_cause(e: BaseException) -> str:
+    """The first rank's own error of a DCP CheckpointException (its str is every rank's whole traceback)."""
+    failures = getattr(e, "failures", None)
+    if failures:
+        rank, (exc, _) = sorted(failures.items())[0]
+        return f"rank {rank}: {type(exc).__name__}: {exc}"
+    return f"{type(e).__name__}: {e}"
+
+
 class SaveError(RuntimeError):
-    def __init__(self, tmp: Path, cause: Exception):
-        super().__init__(f"saving checkpoint {tmp.name.removesuffix('.tmp')} failed: {cause}. "
-                         f"The partial save stays in {tmp} (never loaded); earlier checkpoints are intact.")
+    """A checkpoint save failed on some rank; every rank raises it (DCP's save and the publish are
+    collective), with the same message."""
+    collective = True
+
+    def __init__(self, tmp: Path, full: bool, cause: str, size: int):
+        name, root = tmp.name.removesuffix(".tmp"), tmp.parent
+        done = complete_checkpoints(root)
+        intact = (f"earlier checkpoints are intact (newest: {done[-1][1].name}, the one a rerun resumes from)"
+                  if done else "there is no earlier checkpoint")
+        if full:
+            super().__init__(f"no space left on device in {root}: saving checkpoint {name} (about "
+                             f"{megabytes(size)}) failed with {megabytes(free_bytes(root))} free; the partial save "
+                             f"was removed; {intact}. Free space there (or lower checkpoint.keep_last), then rerun "
+                             "the same command")
+        else:
+            super().__init__(f"saving checkpoint {name} failed ({cause[:300]}); the partial save "
+                             f"stays in {tmp} (never loaded); {intact}")
 
 
 class CheckpointManager:
@@ -304,25 +350,28 @@ class CheckpointManager:
         self.wait()  # one save in flight at a time
         final = self.root / f"step_{state.step}"
         tmp = final.with_name(final.name + ".tmp")
-        try:
-            if self.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir(parents=True)
-            dist.barrier()
-            (tmp / f"rng_rank{self.rank}.json").write_text(json.dumps(_rng_state()))
-            self._write_registered(tmp)
-            if self.section.async_:
-                future = dcp.async_save(self._tensors(), checkpoint_id=str(tmp), process_group=self.save_group)
-                hashed = self.hasher.submit(lambda: (future.result(), digests(tmp, own_files(tmp, self.rank)))[1])
-                # The loop advances `state` before this save is published: publish the state it saved.
-                self.pending = (hashed, tmp, final, copy.deepcopy(state))
-            else:
-                dcp.save(self._tensors(), checkpoint_id=str(tmp))
-                self._publish(tmp, final, state, digests(tmp, own_files(tmp, self.rank)))
-        except (OSError, dcp.api.CheckpointException) as e:
-            raise SaveError(tmp, e) from e
+        self._together(tmp, lambda: self._start(tmp) if self.rank == 0 else None)
+        self._together(tmp, lambda: self._write_local(tmp))
+        if self.section.async_:
+            future = dcp.async_save(self._tensors(), checkpoint_id=str(tmp), process_group=self.save_group)
+            hashed = self.hasher.submit(lambda: (future.result(), digests(tmp, own_files(tmp, self.rank)))[1])
+            # The loop advances `state` before this save is published: publish the state it saved.
+            self.pending = (hashed, tmp, final, copy.deepcopy(state))
+        else:
+            own = self._together(tmp, lambda: (dcp.save(self._tensors(), checkpoint_id=str(tmp)),
+                                               digests(tmp, own_files(tmp, self.rank)))[1])
+            self._publish(tmp, final, state, own)
         self.last_save = time.monotonic()
         return final
+
+    @staticmethod
+    def _start(tmp: Path) -> None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+
+    def _write_local(self, tmp: Path) -> None:
+        (tmp / f"rng_rank{self.rank}.json").write_text(json.dumps(_rng_state()))
+        self._write_registered(tmp)
 
     def poll(self) -> None:
         """Publish a finished async save; every rank calls this once per step (one tiny all-reduce)."""
@@ -338,29 +387,48 @@ class CheckpointManager:
             return
         hashed, tmp, final, state = self.pending
         self.pending = None
+        self._publish(tmp, final, state, self._together(tmp, hashed.result))
+
+    def _together(self, tmp: Path, work: Callable[[], object]) -> object:
+        """Collective: this rank's part of a save; returns what `work` returns when every rank's part worked.
+        Otherwise every rank raises the same SaveError (a full disk may hit one rank, or only rank 0's
+        publish: the others must not wait for it in the next collective). A full disk removes the partial
+        save: it holds the space the user needs, and is never loaded anyway."""
         try:
-            self._publish(tmp, final, state, hashed.result())
-        except (OSError, dcp.api.CheckpointException) as e:
-            raise SaveError(tmp, e) from e
+            result, failure = work(), None
+        except (Exception, dcp.api.CheckpointException) as e:
+            result, failure = None, e
+        outcomes: list = [None] * dist.get_world_size()
+        dist.all_gather_object(outcomes, None if failure is None else (no_space(failure), short_cause(failure)))
+        failed = [o for o in outcomes if o is not None]
+        if not failed:
+            return result
+        full = any(f[0] for f in failed)
+        if full and self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        error = SaveError(tmp, full, next(f[1] for f in failed if f[0] == full), checkpoint_bytes(self.model))
+        dist.barrier()  # the partial save is gone before any rank reports it
+        raise error from failure
 
     def _publish(self, tmp: Path, final: Path, state: TrainState, own: dict[str, dict]) -> None:
         """Collective. The manifest gathers every rank's digests of its own files; rank 0 adds the rest."""
         gathered: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
         dist.all_gather_object(gathered, own)  # also the barrier: every rank's shards are written
-        if self.rank == 0:
-            (tmp / "config.yaml").write_text(self.config_yaml)
-            self.model_config.save_pretrained(tmp / HF_CONFIG_DIR)
-            self.tokenizer.save_pretrained(tmp / HF_CONFIG_DIR)
-            files = {name: d for g in gathered for name, d in g.items()}
-            rest = [str(p.relative_to(tmp)) for p in sorted(tmp.rglob("*")) if p.is_file()]
-            files.update(digests(tmp, [n for n in rest if n not in files]))
-            (tmp / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
-            (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))  # the completion marker
-            if final.exists():  # the same step saved again (e.g. a resumed run): replace it
-                shutil.rmtree(final)
-            tmp.rename(final)
-            self._prune()
-        dist.barrier()
+        self._together(tmp, lambda: self._publish_main(tmp, final, state, gathered) if self.rank == 0 else None)
+
+    def _publish_main(self, tmp: Path, final: Path, state: TrainState, gathered: list[dict]) -> None:
+        (tmp / "config.yaml").write_text(self.config_yaml)
+        self.model_config.save_pretrained(tmp / HF_CONFIG_DIR)
+        self.tokenizer.save_pretrained(tmp / HF_CONFIG_DIR)
+        files = {name: d for g in gathered for name, d in g.items()}
+        rest = [str(p.relative_to(tmp)) for p in sorted(tmp.rglob("*")) if p.is_file()]
+        files.update(digests(tmp, [n for n in rest if n not in files]))
+        (tmp / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+        (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))  # the completion marker
+        if final.exists():  # the same step saved again (e.g. a resumed run): replace it
+            shutil.rmtree(final)
+        tmp.rename(final)
+        self._prune()
 
     def _prune(self) -> None:
         """Only after a newer checkpoint is complete do the old ones go."""

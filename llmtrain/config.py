@@ -104,6 +104,10 @@ class DataConfig:
     prompts, text or messages, the other columns passed to the reward functions (recipes/grpo.py)."""
     sources: list[SourceConfig] | None = None
     """Several sources mixed by weight: [{path, format, weight}, ...] (instead of data.path/format)."""
+    chat_template: str | None = None
+    """The chat template the chat and preference formats render with: Jinja text, or a .jinja file, or a .json
+    file with a chat_template key (a tokenizer_config.json); unset: the tokenizer's own, else llmtrain's
+    default, whose markers that tokenizer learns as plain text (said at start-up)."""
     seq_len: int = ranged("[1, inf)", default=256)
     """Tokens per training row; longer examples are truncated (text: split)."""
     packing: bool = True
@@ -255,6 +259,9 @@ class CheckpointConfig:
     """dtype of exported weights."""
     max_shard_size: str = "5GB"
     """Exported safetensors files are split above this size (with model.safetensors.index.json)."""
+    export_wait_minutes: float = ranged("[0, 1440]", default=10.0)
+    """An export that finds the disk full keeps the weights in memory and tries again every 10 s for this
+    long while space is freed; 0 fails at once (llmtrain/export.py)."""
 
 
 @dataclass

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
+import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -21,7 +24,14 @@ from llmtrain.models import lora, nf4
 from llmtrain.models.hf import WEIGHTS_FILE, WEIGHTS_INDEX, stop_ids
 from llmtrain.models.names import peft_key
 from llmtrain.parallelize import Strategy
-from llmtrain.utils import publish
+from llmtrain.utils import free_bytes, megabytes, no_space, publish
+
+RETRY_S = 10.0  # between two tries of an export that did not fit
+
+
+class ExportError(RuntimeError):
+    """The export could not be written; every rank raises it with the same message."""
+    collective = True
 
 
 def _fresh(out: Path) -> Path:
@@ -76,6 +86,57 @@ def write_adapter(trained: dict[str, torch.Tensor], out: Path, section: LoraConf
     publish(tmp, out)
 
 
+def written(write: Callable[[], None] | None, out: Path, size: int, wait_minutes: float) -> None:
+    """Collective: rank 0 runs `write` (the other ranks pass None) until it fits. A full disk never loses the
+    weights `write` holds in memory: the partial `<out>.tmp` goes, and rank 0 tries again every RETRY_S while
+    the user frees space, for up to wait_minutes; then every rank raises ExportError saying so. Every rank
+    learns each try's outcome (a broadcast), so none dies waiting on a rank that failed."""
+    deadline, warned, error = time.monotonic() + 60 * wait_minutes, False, None
+    while True:
+        outcome: list = [None]  # None: written | "retry" | the message of a failure
+        if write is not None:
+            try:
+                write()
+            except Exception as e:
+                shutil.rmtree(out.with_name(out.name + ".tmp"), ignore_errors=True)
+                if not no_space(e):  # rank 0 raises it itself (its traceback), the others an ExportError
+                    error = e
+                    outcome = [f"the export to {out} failed on rank 0: {type(e).__name__}: {e}"[:500]]
+                elif time.monotonic() < deadline:
+                    if not warned:
+                        warned = True
+                        print(f"warning: no space left on device in {out.parent}: the export {out.name} needs about "
+                              f"{megabytes(size)}, {megabytes(free_bytes(out))} free. The trained weights are kept "
+                              f"in memory: free space there; retrying every {RETRY_S:g} s for up to "
+                              f"{wait_minutes:g} minutes (checkpoint.export_wait_minutes)", file=sys.stderr,
+                              flush=True)
+                    outcome = ["retry"]
+                else:
+                    outcome = [f"no space left on device in {out.parent}: the export {out.name} (about "
+                               f"{megabytes(size)}) could not be written ({megabytes(free_bytes(out))} free after "
+                               f"waiting {wait_minutes:g} minutes, checkpoint.export_wait_minutes); the partial "
+                               f"{out.name}.tmp was removed, and the trained weights are not on disk"]
+        agreed = _agree(outcome)
+        if agreed != "retry":
+            break
+        time.sleep(RETRY_S)  # every rank: none waits in a collective meanwhile
+    if agreed is None:
+        return
+    if error is not None:
+        raise error
+    raise ExportError(agreed)
+
+
+def _agree(outcome: list) -> str | None:
+    """Collective: rank 0's outcome of a try, on every rank."""
+    dist.broadcast_object_list(outcome, src=0)
+    # gloo's worker thread frees the broadcast's tensors after the call returns, taking the GIL: were the
+    # process group torn down meanwhile (the run's end), its destructor would wait for that thread while
+    # holding the GIL (a deadlock, seen at torch 2.13). A barrier (no Python tensors) lets it finish first.
+    dist.barrier()
+    return outcome[0]
+
+
 def hf_state(model: nn.Module, strategy: Strategy, device: torch.device,
              lora_section: LoraConfig | None = None) -> dict[str, torch.Tensor]:
     """Collective: the model by its Hugging Face names, on rank 0's CPU ({} on the other ranks); with
@@ -86,32 +147,36 @@ def hf_state(model: nn.Module, strategy: Strategy, device: torch.device,
     return lora.merged_state({k: nf4.dequantized(v) for k, v in state.items()}, lora_section)
 
 
+def _bytes(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> int:
+    return sum(t.numel() * (dtype.itemsize if dtype else t.element_size()) for t in state.values())
+
+
 def export_hf(model: nn.Module, strategy: Strategy, device: torch.device, out: str | Path, config, tokenizer,
-              dtype: torch.dtype = torch.float32, max_shard_size: str = "5GB") -> None:
-    """Collective: all ranks gather, rank 0 writes, all ranks wait until the export is complete."""
-    state = hf_state(model, strategy, device)
-    if dist.get_rank() == 0:
-        write_hf(state, Path(out), config, tokenizer, dtype, max_shard_size)
-    dist.barrier()
+              dtype: torch.dtype = torch.float32, max_shard_size: str = "5GB", wait_minutes: float = 0.0) -> None:
+    """Collective: all ranks gather, rank 0 writes (see `written`), all ranks learn the outcome."""
+    state, out = hf_state(model, strategy, device), Path(out)
+    main = dist.get_rank() == 0
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()  # written once (write_hf)
+    written((lambda: write_hf(dict(state), out, config, tokenizer, dtype, max_shard_size)) if main else None, out,
+            _bytes({k: v for k, v in state.items() if k not in tied}, dtype), wait_minutes)
 
 
 def export_lora(model: nn.Module, strategy: Strategy, device: torch.device, output_dir: Path, step_dir: str,
                 section: LoraConfig, base_path: str | None, model_config, tokenizer, dtype: torch.dtype,
-                max_shard_size: str) -> list[Path]:
+                max_shard_size: str, wait_minutes: float = 0.0) -> list[Path]:
     """Collective. output_dir/adapter[/step_dir] (PEFT) and/or output_dir/hf[/step_dir] (merged), as
     lora.export says; returns what was written."""
-    written = []
+    written_dirs, main = [], dist.get_rank() == 0
     if section.export in ("adapter", "both"):
         adapters = strategy.full_state_dict(model, device, trainable_only=True)
         out = output_dir / "adapter" / step_dir
-        if dist.get_rank() == 0:
-            write_adapter(adapters, out, section, base_path)
-        written.append(out)
+        written((lambda: write_adapter(adapters, out, section, base_path)) if main else None, out,
+                _bytes(adapters, torch.float32), wait_minutes)
+        written_dirs.append(out)
     if section.export in ("merged", "both"):
         state = hf_state(model, strategy, device, section)
         out = output_dir / "hf" / step_dir
-        if dist.get_rank() == 0:
-            write_hf(state, out, model_config, tokenizer, dtype, max_shard_size)
-        written.append(out)
-    dist.barrier()
-    return written
+        written((lambda: write_hf(dict(state), out, model_config, tokenizer, dtype, max_shard_size)) if main else None,
+                out, _bytes(state, dtype), wait_minutes)
+        written_dirs.append(out)
+    return written_dirs

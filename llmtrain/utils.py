@@ -1,9 +1,10 @@
 """Small helpers every layer may use (a leaf: imports nothing of llmtrain): dtype names, giving freed heap
-back to the OS, and publishing a directory atomically."""
+back to the OS, publishing a directory atomically, and telling a full disk (free space, ENOSPC in any form)."""
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import shutil
 from pathlib import Path
 from typing import BinaryIO
@@ -45,3 +46,32 @@ def publish(tmp: Path, final: Path) -> None:
         final.rename(old)
     tmp.rename(final)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def no_space(exc: BaseException | None) -> bool:
+    """Whether `exc` (or what caused it, or a rank's failure inside a DCP CheckpointException) is a full disk:
+    ENOSPC, the safetensors/Rust wording of it ("No space left on device", "StorageFull"), or torch.save's zip
+    writer after a short write ("[enforce fail at inline_container.cc] unexpected pos", its only symptom)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            return True
+        if any(no_space(failure[0]) for failure in getattr(exc, "failures", {}).values()):
+            return True
+        if any(sign in str(exc) for sign in ("No space left on device", "StorageFull", "unexpected pos")):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def free_bytes(path: str | Path) -> int:
+    """Free bytes on the filesystem holding `path` (its nearest existing parent)."""
+    path = Path(path).absolute()
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def megabytes(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"

@@ -15,6 +15,9 @@
 # Preemption: 120 s before the time limit (or on `scancel --batch --signal=USR1 <jobid>`) this
 # script tells the training processes to checkpoint and exit, then requeues the job, which resumes
 # from the checkpoint. Details and the reasons for B: in slurm/common.sh.
+# Requeue is decided by "this shell got USR1 and training had not finished (launcher rc != 0)", never by
+# torchrun's exit code: torchrun exits 1 whether a rank crashed or saved and exited 42 (to be requeued).
+# What a wrapper of your own should look at: docs/multinode.md (How requeue is decided).
 #
 #SBATCH --job-name=llmtrain
 #SBATCH --nodes=2

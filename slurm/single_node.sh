@@ -10,6 +10,9 @@
 # #SBATCH lines are defaults that sbatch's command line overrides; GPUs are requested on the command
 # line, never here (a GPU request is rejected outright on a cluster without GPUs); environment knobs
 # and the preemption logic (SIGUSR1 -> checkpoint -> `scontrol requeue`) are in slurm/common.sh.
+# Requeue is decided by "this shell got USR1 and training had not finished (launcher rc != 0)", never by
+# torchrun's exit code: torchrun exits 1 whether a rank crashed or saved and exited 42 (to be requeued).
+# What a wrapper of your own should look at: docs/multinode.md (How requeue is decided).
 #
 #SBATCH --job-name=llmtrain
 #SBATCH --nodes=1

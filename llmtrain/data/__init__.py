@@ -8,6 +8,7 @@ split_dataset_by_node, tokenized and packed on the fly; ranks agree when to wrap
 from __future__ import annotations
 
 import functools
+import json
 import math
 import warnings
 from collections.abc import Callable, Iterator
@@ -58,10 +59,37 @@ def check(section: DataConfig) -> None:
             raise ConfigError(f"data.sources[{i}].weight must be > 0")
     if section.val_path:
         sources_lib.check(section.val_path, "data.val_path")
+    chat_template(section)
     kind = rows_kind(section)
     if section.streaming and not kind.packs:
         raise ConfigError(f"data.streaming: data.format {', '.join(sorted(formats_used(section)))} makes "
                           f"{kind.name}, which are not packed and cannot be streamed; set data.streaming=false")
+
+
+TEMPLATE_FILES = (".jinja", ".json")
+
+
+def chat_template(section: DataConfig) -> str | None:
+    """data.chat_template's Jinja text: the value itself, or read from the .jinja/.json file it names."""
+    value = section.chat_template
+    if value is None or not value.endswith(TEMPLATE_FILES):
+        return value
+    path = Path(value)
+    if not path.is_file():
+        raise ConfigError(f"data.chat_template: no such file: {value} (a value ending in .jinja or .json names a "
+                          "file; give the template's text otherwise)")
+    if path.suffix == ".jinja":
+        return path.read_text()
+    try:
+        template = json.loads(path.read_text()).get("chat_template")
+    except (ValueError, AttributeError) as e:
+        raise ConfigError(f"data.chat_template: {value} is not a JSON object ({e})") from None
+    if isinstance(template, list):  # several named templates (tokenizer_config.json): the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if not isinstance(template, str):
+        raise ConfigError(f"data.chat_template: {value} has no chat_template text (a tokenizer_config.json-like "
+                          "{\"chat_template\": \"...\"})")
+    return template
 
 
 @dataclass
@@ -74,6 +102,7 @@ class Stats:
     first_bad: str = ""  # file:line and reason of the first skipped record
     first_truncated: str = ""  # file:line of the first truncated example
     held_out: int = 0  # examples held out for validation (data.val_fraction)
+    template_note: str | None = None  # which chat template, when not the tokenizer's own (prepare_tokenizer)
 
     def summary(self) -> str:
         if self.streaming:  # nothing is read ahead; bad records are counted as they stream past
@@ -195,7 +224,7 @@ def build(section: DataConfig, tokenizer, seed: int, is_main: bool = True, rank:
           world_size: int = 1) -> Built:
     """Train (and validation) rows. Collective when a process group exists: rank 0 tokenizes first
     (filling the datasets cache), the others wait, then read the cache."""
-    prepare_tokenizer(tokenizer, formats_used(section))
+    note = prepare_tokenizer(tokenizer, formats_used(section), chat_template(section))
     distributed = dist.is_initialized()
     if distributed and not is_main:
         dist.barrier()
@@ -206,6 +235,7 @@ def build(section: DataConfig, tokenizer, seed: int, is_main: bool = True, rank:
             dist.barrier()
     if built.val is not None and len(built.val) == 0:
         raise ConfigError("the validation data yields no rows")
+    built.stats.template_note = note
     return built
 
 

@@ -1,36 +1,31 @@
-"""Inspect what the model will be trained on, in one process with no GPU:
+"""Inspect what the model will be trained on, in one process with no GPU, for any recipe's config:
 
     python -m llmtrain.data --config configs/X.yaml [key=value ...] [--n 3] [--json]
 
-Prints rendered rows with the trained-on tokens marked (green on a terminal, [[...]] otherwise),
-token counts, truncation and packing statistics; --json prints a machine-readable summary."""
+Prints rendered rows with the trained-on tokens marked (green on a terminal, [[...]] otherwise): every part of a
+row as its rows kind names them (data.FORMATS' Rows.parts: a packed row; a preference pair's prompt, chosen and
+rejected), token counts, truncation and packing statistics; --json prints a machine-readable summary. The
+config's class is the recipe's whose own sections (dpo:, grpo:) the file or the overrides set: the Config
+subclasses, which live with their losses in llmtrain.losses."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib
 import itertools
 import json
+import pkgutil
 import sys
+from pathlib import Path
 
 import yaml
 
-from llmtrain.config import Config, ConfigError, load_config
-from llmtrain.data import IGNORE, build, check, plural
-from llmtrain.losses.policy import GRPOConfig
-from llmtrain.losses.preference import DPOConfig
+from llmtrain import losses
+from llmtrain.config import Config, ConfigError, load_config, parse_overrides
+from llmtrain.data import IGNORE, build, check, plural, rows_kind
+from llmtrain.data.formats import RowPart, Rows
 from llmtrain.models.hf import load_tokenizer
-
-RECIPE_CONFIGS = {"dpo": DPOConfig, "grpo": GRPOConfig}  # a recipe's own section -> its Config
-
-
-def config_class(path: str) -> type[Config]:
-    """The Config (sub)class of the recipe whose section the YAML has (configs/demo-dpo.yaml: dpo:)."""
-    try:
-        raw = yaml.safe_load(open(path)) or {}
-    except (OSError, yaml.YAMLError):
-        return Config  # load_config names the problem
-    return next((cls for key, cls in RECIPE_CONFIGS.items() if isinstance(raw, dict) and key in raw), Config)
-
 
 def render(ids: list[int], labels: list[int], tokenizer, colour: bool) -> str:
     """Row text with the spans that carry a loss marked."""
@@ -41,8 +36,42 @@ def render(ids: list[int], labels: list[int], tokenizer, colour: bool) -> str:
     return "".join(out)
 
 
-def summarize(cfg, n: int) -> dict:
+def _sections(config_path: str | None, overrides: list[str]) -> set[str]:
+    """The top-level sections a config file and its overrides set."""
+    raw = yaml.safe_load(Path(config_path).read_text()) if config_path and Path(config_path).is_file() else {}
+    return set(raw if isinstance(raw, dict) else {}) | {k.split(".")[0] for k, _ in parse_overrides(overrides)}
+
+
+def config_class(config_path: str | None, overrides: list[str]) -> type[Config]:
+    """Config when the file sets no section of a recipe's own; else the recipe's Config subclass (found among
+    llmtrain.losses' modules) that has every section the file sets."""
+    own = _sections(config_path, overrides) - {f.name for f in dataclasses.fields(Config)}
+    if not own:
+        return Config
+    for module in pkgutil.iter_modules(losses.__path__):
+        importlib.import_module(f"llmtrain.losses.{module.name}")
+    for cls in Config.__subclasses__():
+        if own <= {f.name for f in dataclasses.fields(cls)}:
+            return cls
+    raise ConfigError(f"{config_path}: no recipe's config has the section(s) {', '.join(sorted(own))} "
+                      f"(recipes' sections: {', '.join(sorted(_own_sections()))})")
+
+
+def _own_sections() -> set[str]:
+    base = {f.name for f in dataclasses.fields(Config)}
+    return {f.name for cls in Config.__subclasses__() for f in dataclasses.fields(cls)} - base
+
+
+def _parts(kind: Rows, row: dict) -> list[RowPart]:
+    if kind.parts is not None:
+        return kind.parts(row)
+    return [RowPart(name, list(map(int, row[name])), [IGNORE] * len(row[name]))
+            for name, empty in kind.empty.items() if isinstance(empty, list)]
+
+
+def summarize(cfg: Config, n: int) -> dict:
     tokenizer = load_tokenizer(cfg.tokenizer.path or cfg.model.path, cfg.model.trust_remote_code)
+    kind = rows_kind(cfg.data)
     built = build(cfg.data, tokenizer, cfg.train.seed)
     rows = built.train
     sample_rows = [rows[i] for i in range(min(n, len(rows)))] if not cfg.data.streaming else \
@@ -50,25 +79,32 @@ def summarize(cfg, n: int) -> dict:
     scanned = rows if not cfg.data.streaming else list(itertools.islice(rows.rows(0), 1000))
     num_tokens = trained = real = 0
     for row in scanned:
-        ids, labels, pos = list(row["input_ids"]), list(row["labels"]), list(row["position_ids"])
-        num_tokens += len(ids)
-        real += len(ids) - _pad_tail(ids, labels, pos, tokenizer.pad_token_id)
-        trained += sum(1 for x in labels[1:] if x != IGNORE)
+        for part in _parts(kind, row):
+            num_tokens += len(part.ids)
+            trained += sum(1 for x in part.labels if x != IGNORE)
+        if kind.packs:  # the first token's label never carries a loss (nothing predicts it)
+            ids, labels = list(map(int, row["input_ids"])), list(map(int, row["labels"]))
+            trained -= labels[0] != IGNORE
+            real += len(ids) - _pad_tail(ids, labels, list(map(int, row["position_ids"])), tokenizer.pad_token_id)
     samples = []
     for row in sample_rows:
-        ids, labels = [int(x) for x in row["input_ids"]], [int(x) for x in row["labels"]]
-        samples.append({"input_ids": ids, "labels": labels, "text": render(ids, labels, tokenizer, False)})
+        parts = [{"name": p.name, "input_ids": p.ids, "labels": p.labels,
+                  "text": render(p.ids, p.labels, tokenizer, False)} for p in _parts(kind, row)]
+        samples.append({"parts": parts, "text": "\n".join(f"{p['name']}: {p['text']}" if p["name"] else p["text"]
+                                                          for p in parts)})
     return {
+        "rows_kind": kind.name,
         "samples": samples,
         "num_examples": built.stats.num_examples,
         "num_rows": len(scanned),
         "num_tokens": num_tokens,
         "trained_tokens": trained,
-        "packing_efficiency": real / max(num_tokens, 1),
+        "packing_efficiency": real / max(num_tokens, 1) if kind.packs else None,
         "truncated": built.stats.truncated,
         "skipped": built.stats.skipped,
         "skip_reasons": built.stats.reasons,
         "streaming": cfg.data.streaming,
+        "chat_template_note": built.stats.template_note,
     }
 
 
@@ -89,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", metavar="key.sub=value")
     args = p.parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides, config_class(args.config))
+        cfg = load_config(args.config, args.overrides, config_class(args.config, args.overrides))
         check(cfg.data)
         summary = summarize(cfg, args.n)
     except ConfigError as e:
@@ -98,15 +134,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(summary))
         return 0
+    if summary["chat_template_note"]:
+        print(summary["chat_template_note"])
     colour = sys.stdout.isatty()
     tokenizer = load_tokenizer(cfg.tokenizer.path or cfg.model.path, cfg.model.trust_remote_code)
-    for i, s in enumerate(summary["samples"]):
-        trained = sum(1 for x in s["labels"][1:] if x != IGNORE)
-        print(f"--- row {i}: {plural(len(s['input_ids']), 'token')}, {trained} trained")
-        print(render(s["input_ids"], s["labels"], tokenizer, colour))
-    print(f"--- {plural(summary['num_examples'], 'example')} -> {plural(summary['num_rows'], 'row')} of "
-          f"{cfg.data.seq_len} tokens; {plural(summary['trained_tokens'], 'trained token')}; "
-          f"packing efficiency {summary['packing_efficiency']:.1%}; "
+    for i, sample in enumerate(summary["samples"]):
+        for part in sample["parts"]:
+            trained = sum(1 for x in part["labels"] if x != IGNORE)
+            name = f" {part['name']}" if part["name"] else ""
+            print(f"--- row {i}{name}: {plural(len(part['input_ids']), 'token')}, {trained} trained")
+            print(render(part["input_ids"], part["labels"], tokenizer, colour))
+    packing = "" if summary["packing_efficiency"] is None else \
+        f"; packing efficiency {summary['packing_efficiency']:.1%}"
+    unit = "row" if packing else summary["rows_kind"].removesuffix("s")  # a pair, a prompt: one example each
+    print(f"--- {plural(summary['num_examples'], 'example')} -> {plural(summary['num_rows'], unit)}"
+          f"{f' of {cfg.data.seq_len} tokens' if packing else ''}; "
+          f"{plural(summary['trained_tokens'], 'trained token')}{packing}; "
           f"{summary['truncated']} truncated; {summary['skipped']} skipped")
     return 0
 

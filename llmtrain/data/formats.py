@@ -14,7 +14,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from jinja2 import TemplateError
@@ -156,6 +156,16 @@ class Rows:
     index: str | None = None
     """A column numbering the training rows, carried into their batches (pairs: precomputed reference
     log-probs are looked up by it, llmtrain/reference_cache.py)."""
+    parts: Callable[[dict], list[RowPart]] | None = None
+    """A stored row -> its named token sequences with their trained spans, for `python -m llmtrain.data`;
+    None: every token column of `empty` is shown as it is, untrained."""
+
+
+class RowPart(NamedTuple):
+    """One token sequence of a row as the data inspector shows it: labels[i] != IGNORE where token i is trained."""
+    name: str
+    ids: list[int]
+    labels: list[int]
 
 
 @dataclass(frozen=True)
@@ -212,10 +222,18 @@ def _collate_pair_rows(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]
     return {**batch, PAIR_INDEX: torch.stack([r[PAIR_INDEX] for r in rows])} if PAIR_INDEX in rows[0] else batch
 
 
+def _pair_parts(row: dict) -> list[RowPart]:
+    """The prompt conditions; both responses are trained (their log-probs make the preference loss)."""
+    prompt, chosen, rejected = (list(map(int, row[c])) for c in ("prompt_ids", "chosen_ids", "rejected_ids"))
+    return [RowPart("prompt", prompt, [IGNORE] * len(prompt)), RowPart("chosen", chosen, chosen),
+            RowPart("rejected", rejected, rejected)]
+
+
 TOKENS = Rows("tokens", _token_columns, {"input_ids": [], "labels": [], "split": False, "truncated": False},
-              packs=True)
+              packs=True, parts=lambda row: [RowPart("", list(map(int, row["input_ids"])),
+                                                     list(map(int, row["labels"])))])
 PAIRS = Rows("pairs", _pair_columns, {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "truncated": False},
-             packs=False, collate=_collate_pair_rows, index=PAIR_INDEX)
+             packs=False, collate=_collate_pair_rows, index=PAIR_INDEX, parts=_pair_parts)
 PROMPTS = Rows("prompts", _prompt_columns, {"input_ids": [], "labels": [], "position_ids": [], "prompt_json": "null",
                                             "columns_json": "{}", "truncated": False},
                packs=False, collate=_collate_prompts, index=PROMPT_INDEX)
@@ -229,7 +247,23 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
 )}
 
 
-def prepare_tokenizer(tokenizer, formats: set[str]) -> None:
-    """A tokenizer without a chat template gets DEFAULT_CHAT_TEMPLATE when one of these formats needs one."""
-    if any(FORMATS[f].chat_template for f in formats) and not tokenizer.chat_template:
-        tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+DEFAULT_MARKERS = ("<|start_header_id|>", "<|end_header_id|>")
+
+
+def prepare_tokenizer(tokenizer, formats: set[str], template: str | None = None) -> str | None:
+    """When one of these formats needs a chat template: `template` (data.chat_template's text) if given, else
+    the tokenizer's own, else DEFAULT_CHAT_TEMPLATE. Returns a line for the start-up log when it is not the
+    tokenizer's own template, saying what that means."""
+    if not any(FORMATS[f].chat_template for f in formats):
+        return None
+    if template is not None:
+        tokenizer.chat_template = template
+        return "chat template: data.chat_template (not the tokenizer's own)"
+    if tokenizer.chat_template:
+        return None
+    tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+    plain = [m for m in DEFAULT_MARKERS if m not in tokenizer.get_vocab()]
+    meaning = (f"its markers {' '.join(plain)} are not special tokens of this tokenizer and are learned as plain "
+               "text (several tokens each)") if plain else "its markers are tokens of this tokenizer"
+    return (f"chat template: the tokenizer has none, so llmtrain's default (Llama 3 style) is used: {meaning}; "
+            "set data.chat_template (a Jinja template, or a .jinja/.json file) to choose one")

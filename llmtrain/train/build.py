@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from llmtrain import checkpoint, data, distributed, export as export_lib, lock, optim, parallelize, preflight, resume
-from llmtrain.config import Config, to_yaml
+from llmtrain.config import CheckpointConfig, Config, to_yaml
 from llmtrain.losses import token as loss_lib
 from llmtrain.metrics import MetricsLogger
 from llmtrain.models import attention, lora
@@ -123,6 +123,10 @@ def build(cfg: Config, env: distributed.DistEnv, recipe: str, registered: list[R
         metrics.info(policy.quantized.describe())
     token_loss = loss_lib.TokenLoss(cfg.train.loss_impl, model, env.device, cfg.train.loss_chunk_tokens)  # collective
     metrics.info(token_loss.describe())
+    if warning := checkpoint.space_warning(cfg.output_dir, checkpoint.checkpoint_bytes(model),
+                                           _checkpoints_kept(cfg.checkpoint, cfg.train.max_steps),
+                                           _export_size(cfg, policy), env.world_size):
+        metrics.info(f"warning: {warning}")
     if state.step > 0:
         metrics.info(f"resumed at step {state.step} ({state.samples_seen} samples seen)")
     for line in changed:
@@ -131,6 +135,20 @@ def build(cfg: Config, env: distributed.DistEnv, recipe: str, registered: list[R
         (Path(cfg.output_dir) / "config.yaml").write_text(to_yaml(cfg))
     return Run(cfg, env, tokenizer, policy, opt, parallelize.grad_scaler(plan, env.device), peak, global_batch,
                ckpt, state, metrics, token_loss, preemption)
+
+
+def _checkpoints_kept(section: CheckpointConfig, max_steps: int) -> int:
+    """How many checkpoints the disk holds at once at most: keep_last, and the new one until it is complete
+    (a preemption's save is not planned: not counted; a timer's counts as one)."""
+    planned = max_steps // section.every_steps if section.every_steps else int(section.every_minutes > 0)
+    return min(planned, section.keep_last + 1) if section.keep_last else planned
+
+
+def _export_size(cfg: Config, policy: BuiltModel) -> int:
+    """The exported weights: the whole model in export_dtype, or a LoRA adapter alone in fp32."""
+    if cfg.lora.enabled and cfg.lora.export == "adapter":
+        return policy.n_trained * 4
+    return policy.n_params * DTYPES[cfg.checkpoint.export_dtype].itemsize
 
 
 def data_steps(run: Run, unit: str, rows_per_step: int | None = None):
@@ -147,21 +165,33 @@ def data_steps(run: Run, unit: str, rows_per_step: int | None = None):
         steps = data.make_steps(built, rows_per_step, 1, 1, 0, cfg.train.seed, env.device, run.state.data)
     run.metrics.info(f"data: {built.stats.summary()} | global batch {run.global_batch} {unit} of "
                      f"{cfg.data.seq_len} tokens")
+    if built.stats.template_note:
+        run.metrics.info(built.stats.template_note)
     return built, steps
 
 
 def export(run: Run, step_dir: str) -> list[Path]:
-    """output_dir/hf[/step_dir]; with LoRA, as lora.export says, also output_dir/adapter[/step_dir]."""
+    """output_dir/hf[/step_dir]; with LoRA, as lora.export says, also output_dir/adapter[/step_dir]. A full disk
+    waits up to checkpoint.export_wait_minutes for space (export_lib.written); if the export still cannot be
+    written, the error says which checkpoint holds the weights, if any."""
     cfg, env = run.cfg, run.env
-    dtype = DTYPES[cfg.checkpoint.export_dtype]
-    if cfg.lora.enabled:
-        return export_lib.export_lora(run.model, run.plan.strategy, env.device, Path(cfg.output_dir), step_dir,
-                                      cfg.lora, cfg.model.path, run.model_config, run.tokenizer, dtype,
-                                      cfg.checkpoint.max_shard_size)
-    out = Path(cfg.output_dir) / "hf" / step_dir
-    export_lib.export_hf(run.model, run.plan.strategy, env.device, out, run.model_config, run.tokenizer, dtype,
-                         cfg.checkpoint.max_shard_size)
-    return [out]
+    dtype, wait = DTYPES[cfg.checkpoint.export_dtype], cfg.checkpoint.export_wait_minutes
+    try:
+        if cfg.lora.enabled:
+            return export_lib.export_lora(run.model, run.plan.strategy, env.device, Path(cfg.output_dir), step_dir,
+                                          cfg.lora, cfg.model.path, run.model_config, run.tokenizer, dtype,
+                                          cfg.checkpoint.max_shard_size, wait)
+        out = Path(cfg.output_dir) / "hf" / step_dir
+        export_lib.export_hf(run.model, run.plan.strategy, env.device, out, run.model_config, run.tokenizer, dtype,
+                             cfg.checkpoint.max_shard_size, wait)
+        return [out]
+    except export_lib.ExportError as e:
+        saved = checkpoint.complete_checkpoints(run.ckpt.root)
+        if not saved:
+            raise
+        step, path = saved[-1]
+        raise export_lib.ExportError(f"{e}; checkpoint {path} holds the weights of step {step}: `python -m "
+                                     f"llmtrain.convert {path} OUT` writes the export from it") from None
 
 
 class Reference(NamedTuple):

@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 import traceback
+from pathlib import Path
 from typing import Callable
 
-from llmtrain import checkpoint, data, distributed, launch, lock, parallelize
+from llmtrain import checkpoint, data, distributed, export, launch, lock, parallelize
 from llmtrain import metrics as metrics_lib
 from llmtrain.config import Config, ConfigError, RunError, describe, load_config, to_yaml
 from llmtrain.losses import token as loss_lib
@@ -82,13 +84,34 @@ def main(argv: list[str] | None, usage: str, config_cls: type[Config],
         return 0
     except Preempted:
         return distributed.PREEMPTED_EXIT_CODE
-    except (ConfigError, RunError, FloatingPointError, checkpoint.SaveError, distributed.PreflightError) as e:
+    except ConfigError as e:
         print(f"error (rank {env.rank}): {e}", file=sys.stderr)
-        return 2 if isinstance(e, ConfigError) else 1
-    except Exception:
-        traceback.print_exc()
-        print(f"error (rank {env.rank}): training failed; see the traceback above", file=sys.stderr)
+        return 2
+    except Exception as e:
+        report(e, cfg.output_dir, env.rank)
         return 1
     finally:
         lock.release()
         distributed.shutdown()
+
+
+def report(e: Exception, output_dir: str, rank: int) -> None:
+    """One line on the console (an error every rank raises alike, e.g. a checkpoint save's: rank 0's line
+    only); the traceback goes to output_dir/errors-rank<R>.log (the console when that cannot be written, e.g.
+    on a full disk)."""
+    expected = isinstance(e, (FloatingPointError, RunError, checkpoint.SaveError, export.ExportError,
+                              distributed.PreflightError))
+    log = Path(output_dir) / f"errors-rank{rank}.log"
+    try:
+        with open(log, "a") as f:
+            f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}\n{traceback.format_exc()}")
+        where = f"traceback in {log}"
+    except OSError:
+        traceback.print_exc()
+        where = "traceback above"
+    if getattr(e, "collective", False) and rank != 0:
+        return
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    summary = str(e) if expected else f"training failed: {type(e).__name__}: {first[:500]}"
+    prefix = "error:" if getattr(e, "collective", False) else f"error (rank {rank}):"
+    print(f"{prefix} {summary} ({where})", file=sys.stderr, flush=True)
