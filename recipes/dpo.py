@@ -20,7 +20,6 @@ from llmtrain import data, distributed, reference_cache
 from llmtrain.config import ConfigError
 from llmtrain.losses import preference as pl
 from llmtrain.losses.preference import DPOConfig
-from llmtrain.models import hf as model_lib
 from llmtrain.train.build import base_identity, reference
 from llmtrain.train.recipe import Recipe
 from llmtrain.train.step import Share
@@ -56,12 +55,7 @@ class DPO(Recipe):
     unit = "pairs"
 
     def check(self, cfg: DPOConfig) -> None:
-        try:
-            model_lib.check_paths(cfg.model, cfg.tokenizer.path)
-        except ConfigError as e:
-            raise ConfigError(f"{e} (recipes/dpo.py tunes an existing model; configs/demo-dpo.yaml starts from the "
-                              "SFT demo's export: run torchrun --standalone --nproc_per_node=2 recipes/finetune.py "
-                              "--config configs/demo.yaml first)") from None
+        self.check_existing_model(cfg, "configs/demo-dpo.yaml")
         d = cfg.dpo
         pl.check(d.loss, d.label_smoothing, d.gamma, d.precompute_reference)
         if d.precompute_reference and cfg.eval.every_steps:

@@ -94,12 +94,7 @@ class GRPO(Recipe):
     unit = "completions"
 
     def check(self, cfg: GRPOConfig) -> None:
-        try:
-            model_lib.check_paths(cfg.model, cfg.tokenizer.path)
-        except ConfigError as e:
-            raise ConfigError(f"{e} (configs/demo-grpo.yaml starts from the SFT demo's export: run torchrun "
-                              "--standalone --nproc_per_node=2 recipes/finetune.py --config configs/demo.yaml "
-                              "first)") from None
+        self.check_existing_model(cfg, "configs/demo-grpo.yaml")
         policy.check(cfg.grpo)
         rewards.load_all(cfg.grpo.reward_funcs)  # a missing module, file or function: exit 2 here
         if cfg.train.loss_impl == "liger":

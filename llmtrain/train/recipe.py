@@ -18,6 +18,7 @@ from torch import nn
 
 from llmtrain import data
 from llmtrain.config import Config, ConfigError
+from llmtrain.models import hf
 from llmtrain.train import cli, loop
 from llmtrain.train.build import Registered, Run, build, data_steps
 from llmtrain.train.step import Objective, StepResult, accumulate
@@ -34,6 +35,14 @@ class Recipe:
     # -- before any process group ------------------------------------------------------------------
     def check(self, cfg: Config) -> None:
         """The recipe's own set-up checks (ConfigError naming the key), before the shared ones."""
+
+    def check_existing_model(self, cfg: Config, demo_config: str) -> None:
+        """For a recipe that tunes an existing model: a missing model.path says where the demo's comes from."""
+        try:
+            hf.check_paths(cfg.model, cfg.tokenizer.path)
+        except ConfigError as e:
+            raise ConfigError(f"{e} ({demo_config} starts from the SFT demo's export: run torchrun --standalone "
+                              "--nproc_per_node=2 recipes/finetune.py --config configs/demo.yaml first)") from None
 
     def check_data(self, cfg: Config) -> None:
         kind = data.rows_kind(cfg.data).name
