@@ -31,21 +31,22 @@ from llmtrain.utils import hash_sampled
 # Changing these keeps the run the same run (prefixes end with a dot).
 MAY_CHANGE = ("train.max_steps", "train.lr", "train.scale_lr", "train.warmup_steps", "train.lr_schedule",
               "train.min_lr_ratio", "train.on_nan", "train.loss_impl", "train.loss_chunk_tokens",
-              "model.attn_implementation", "model.path", "lora.export", "lora.init_from",
+              "model.attn_implementation", "model.path", "lora.export", "lora.init_from", "data.val_path",
               "output_dir", "parallel.", "distributed.", "log.", "eval.", "checkpoint.")
 # Compared otherwise: the split by the global batch, the data by its fingerprint.
 SPLIT = ("train.micro_batch_size", "train.grad_accum_steps")
-DATA_FILES = ("data.path", "data.sources", "data.val_path")
+DATA_FILES = ("data.path", "data.sources")
 # The model config's keys that decide the shapes of the saved tensors.
 ARCHITECTURE = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
 
 
 def data_fingerprint(section: DataConfig) -> str:
-    """A hash of the data files' names, sizes and (sampled) bytes: the same files at another path match."""
+    """A hash of the training data files' names, sizes and (sampled) bytes: the same files at another path
+    match."""
     h = hashlib.sha256()
     paths = [s.path for s in section.sources] if section.sources else [section.path]
-    for path in paths + ([section.val_path] if section.val_path else []):
+    for path in paths:  # the training data; data.val_path is only evaluated
         if is_hub_id(path) and not Path(path).exists():
             h.update(path.encode())
             continue
