@@ -48,21 +48,23 @@ class RandomSteps:
 
 def random_data_recipe():
     """recipes/finetune.py's objective on random tokens (RandomSteps), without the export."""
-    from llmtrain.train.build import build
-    from llmtrain.train.loop import loop
     from llmtrain.train.recipe import Recipe
     from llmtrain.train.step import TokenObjective
 
     class RandomData(Recipe):
         usage = __doc__
+        final_export = False
 
-        def train(self, cfg, env):
-            self.run = run = build(cfg, env, "finetune")
-            self.objective = TokenObjective(run.token_loss)
+        def steps(self, run):
+            cfg = run.cfg
             micro, accum = cfg.train.micro_batch_size, cfg.train.grad_accum_steps
-            steps = RandomSteps(len(run.tokenizer), cfg.data.seq_len, micro, accum, cfg.train.seed + env.rank,
-                                run.state.data.get("samples_seen", 0), run.global_batch)
-            return loop(run, steps, self.step, final_export=False)
+            return None, RandomSteps(len(run.tokenizer), cfg.data.seq_len, micro, accum,
+                                     cfg.train.seed + run.env.rank, run.state.data.get("samples_seen", 0),
+                                     run.global_batch)
+
+        def setup(self, run, built):
+            super().setup(run, built)
+            self.objective = TokenObjective(run.token_loss)
     return RandomData()
 
 

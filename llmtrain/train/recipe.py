@@ -29,6 +29,7 @@ class Recipe:
     usage: str = ""
     rows: str = "tokens"  # the data kind it trains on (data.FORMATS[...].rows): "tokens" or "pairs"
     unit: str = "rows"    # what one sample of the global batch is, for the log
+    final_export: bool = True  # write output_dir/hf (and adapter/) at the end
     run: Run              # set by setup
     objective: Objective  # set by the subclass's setup
 
@@ -77,8 +78,14 @@ class Recipe:
     def train(self, cfg: Config, env) -> nn.Module:
         run = build(cfg, env, type(self).__name__.lower(), self.registered(cfg))
         built, steps = self.steps(run)
-        self.setup(run, built)
-        return loop.loop(run, steps, self.step, self.evaluate)
+        try:
+            self.setup(run, built)
+            return loop.loop(run, steps, self.step, self.evaluate, self.final_export)
+        finally:
+            # What setup kept (the run, its model, a reference) goes with the run, before the process group
+            # does: freed after it, DDP's reducer destroys the group itself and joins a gloo thread that waits
+            # for the GIL the destructor holds (a hang at exit, seen at torch 2.13).
+            vars(self).clear()
 
     def main(self, argv: list[str] | None = None) -> int:
         """Parse, check (this recipe's, then the shared ones), init, train; returns the exit code."""
