@@ -131,7 +131,9 @@ def test_two_processes_score_as_one(tiny_run, export_results, tmp_path):
                   "--device", "cpu", "--output", out], nproc=2)
     assert res.returncode == 0, res.stderr[-3000:]
     # Each rank generated for half the documents (the progress bars show the split).
-    assert re.findall(r"Running generate_until requests: 100%.*?\| \d+/(\d+)", res.stderr) == [str(int(LIMIT) // 2)] * 2
+    # (The two ranks' bars share one pipe and may cut into each other's lines: count their final counters.)
+    half = int(LIMIT) // 2
+    assert len(re.findall(rf"\| {half}/{half} \[", res.stderr)) >= 2
     assert json.loads(out.read_text())["results"] == export_results["results"]
 
 
