@@ -85,7 +85,10 @@ def main() -> None:
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     if args.what == "_probe":
+        from llmtrain.distributed import hard_exit
+
         probe(args.model, args.out)
+        hard_exit(0)  # no interpreter teardown (torch._dynamo's can abort a gloo process at exit)
     else:
         print(scoring(args.model) if args.what == "scoring" else overhead())
 
