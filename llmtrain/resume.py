@@ -84,9 +84,10 @@ class Verdict(NamedTuple):
     notes: list[str]    # what changed and is fine (or allowed by checkpoint.allow_changes), for the log
 
 
-def compare(saved_cfg: dict, saved_state: dict, saved_model: dict, cfg: Config, recipe: str, model_config: dict,
+def compare(saved_cfg: dict, saved_state: dict, saved_model: dict, cfg: Config, current: dict, model_config: dict,
             world_size: int) -> Verdict:
-    """The checkpoint's config.yaml, trainer_state.json and hf_config/config.json against the new run."""
+    """The checkpoint's config.yaml, trainer_state.json and hf_config/config.json against the new run (current:
+    its identity())."""
     old, new = _flat(saved_cfg), _flat(to_dict(cfg))
     allowed = set(cfg.checkpoint.allow_changes)
     refused, notes = [], []
@@ -98,8 +99,8 @@ def compare(saved_cfg: dict, saved_state: dict, saved_model: dict, cfg: Config, 
             refused.append(text)
 
     saved_identity = saved_state.get("identity") or {}
-    if saved_identity.get("recipe", recipe) != recipe:
-        differs("recipe", f"recipe: {saved_identity['recipe']} -> {recipe}", overridable=False)
+    if saved_identity.get("recipe", current["recipe"]) != current["recipe"]:
+        differs("recipe", f"recipe: {saved_identity['recipe']} -> {current['recipe']}", overridable=False)
     for key in sorted(old.keys() & new.keys()):
         if old[key] == new[key] or key in SPLIT or key in DATA_FILES:
             continue
@@ -120,11 +121,11 @@ def compare(saved_cfg: dict, saved_state: dict, saved_model: dict, cfg: Config, 
     elif any(old.get(k, new[k]) != new[k] for k in SPLIT):
         notes.append(f"batch split {split}, global batch {new_batch} unchanged")
     paths = [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in DATA_FILES if k in old and old[k] != new[k]]
-    if "data" not in saved_identity or saved_identity["data"] == data_fingerprint(cfg.data):
+    if "data" not in saved_identity or saved_identity["data"] == current["data"]:
         notes.extend(f"{p} (the same files)" for p in paths)
     else:
         differs("data.path", f"{'; '.join(paths) or 'data.path'}: the data files differ from the checkpoint's "
-                              f"(fingerprint {saved_identity['data']} -> {data_fingerprint(cfg.data)}); the data "
+                              f"(fingerprint {saved_identity['data']} -> {current['data']}); the data "
                               "position would point into other data")
     new_model = {k: model_config[k] for k in ARCHITECTURE if k in model_config}  # config.json's absent keys: None
     arch = [f"{k} {saved_model.get(k)} -> {new_model.get(k)}" for k in ARCHITECTURE
@@ -136,7 +137,7 @@ def compare(saved_cfg: dict, saved_state: dict, saved_model: dict, cfg: Config, 
     return Verdict(refused, notes)
 
 
-def check(path: Path, cfg: Config, recipe: str, model_config: dict, world_size: int, state_file: str,
+def check(path: Path, cfg: Config, current: dict, model_config: dict, world_size: int, state_file: str,
           hf_config_dir: str) -> list[str]:
     """Raise a ConfigError naming every refused change (nothing is loaded, the checkpoint stays as it is);
     return the lines to log about the allowed ones."""
@@ -144,7 +145,7 @@ def check(path: Path, cfg: Config, recipe: str, model_config: dict, world_size: 
     saved_state = json.loads((path / state_file).read_text())
     model_file = path / hf_config_dir / "config.json"
     saved_model = json.loads(model_file.read_text()) if model_file.is_file() else model_config
-    verdict = compare(saved_cfg, saved_state, saved_model, cfg, recipe, model_config, world_size)
+    verdict = compare(saved_cfg, saved_state, saved_model, cfg, current, model_config, world_size)
     if verdict.refused:
         raise ConfigError(f"checkpoint {path} was saved by a different setup: {'; '.join(verdict.refused)}. Resume "
                           "with its settings (its config.yaml), start afresh (another output_dir or "

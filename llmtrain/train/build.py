@@ -85,9 +85,9 @@ def build(cfg: Config, env: distributed.DistEnv, recipe: str, registered: list[R
     start = checkpoint.choose_resume(cfg.checkpoint, cfg.output_dir)  # verified; corrupt ones are skipped
     # LoRA: the frozen base's fingerprint, recorded in checkpoints and checked against the one resumed from.
     base = lora.fingerprint(cfg.model.path, cfg.model.config, cfg.train.seed) if cfg.lora.enabled else {}
-    changed = []
+    changed, identity = [], resume.identity(cfg, recipe)  # the data files hashed once
     if start is not None:
-        changed = resume.check(start, cfg, recipe, model_config.to_dict(), env.world_size, checkpoint.STATE_FILE,
+        changed = resume.check(start, cfg, identity, model_config.to_dict(), env.world_size, checkpoint.STATE_FILE,
                                checkpoint.HF_CONFIG_DIR)
         saved = json.loads((start / checkpoint.STATE_FILE).read_text()).get("base") or {}
         lora.check_resume(start, saved, base)
@@ -107,7 +107,7 @@ def build(cfg: Config, env: distributed.DistEnv, recipe: str, registered: list[R
     state = ckpt.resume(start) or checkpoint.TrainState(global_batch=global_batch, world_size=env.world_size,
                                                         base=base)
     # What the next checkpoints record: this run's (also after an allowed change).
-    state.identity, state.global_batch, state.world_size = resume.identity(cfg, recipe), global_batch, env.world_size
+    state.identity, state.global_batch, state.world_size = identity, global_batch, env.world_size
     model_lib.check_initialized(model)  # every parameter loaded (from model.path or the checkpoint)
     metrics = MetricsLogger(cfg.output_dir, env.is_main, cfg.train.max_steps, state.step, cfg.log.progress,
                             append=state.step > 0, section=cfg.log, run_config=cfg)
