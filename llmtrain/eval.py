@@ -217,11 +217,7 @@ def _load_adapter(path: Path, base: Path | None, dtype: str) -> Loaded:
 
 
 def _load_checkpoint(path: Path, dtype: str) -> Loaded:
-    """As llmtrain.convert would export it, but in memory: the weights are assigned to a model built on meta
-    (one copy), the non-persistent buffers (RoPE) computed as from_pretrained computes them."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
+    """As llmtrain.convert would export it, but in memory (model_from_weights)."""
     from llmtrain import convert
     from llmtrain.utils import DTYPES
 
@@ -232,20 +228,30 @@ def _load_checkpoint(path: Path, dtype: str) -> Loaded:
             else ckpt.weights
     except convert.CheckpointError as e:
         raise EvalError(str(e)) from None
-    weights = {k: v.to(DTYPES[dtype]) for k, v in weights.items()}
     config = ckpt.config
     config.use_cache = True  # as the export writes it
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
-    if config.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
-    result = model.load_state_dict(weights, strict=False, assign=True)
-    missing = set(result.missing_keys) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
-    if missing or result.unexpected_keys:
-        raise EvalError(f"--model {path}: the checkpoint does not match its model config (missing "
-                        f"{sorted(missing)[:3]}, unexpected {result.unexpected_keys[:3]})")
-    model.tie_weights()
+    model = model_from_weights(config, {k: v.to(DTYPES[dtype]) for k, v in weights.items()}, DTYPES[dtype],
+                               f"--model {path}")
     return Loaded(model, ckpt.tokenizer)
+
+
+def model_from_weights(config, weights: dict, dtype, what: str):
+    """A model of `config` holding `weights` (a full state dict, tied output layer optional): assigned to a model
+    built on meta, so one copy, the non-persistent buffers (RoPE) computed as from_pretrained computes them.
+    EvalError naming `what` when a weight is missing or unknown."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    result = model.load_state_dict({k: v for k, v in weights.items() if k not in tied}, strict=False, assign=True)
+    missing = set(result.missing_keys) - tied
+    if missing or result.unexpected_keys:
+        raise EvalError(f"{what}: the weights do not match the model config (missing {sorted(missing)[:3]}, "
+                        f"unexpected {result.unexpected_keys[:3]})")
+    model.tie_weights()
+    return model
 
 
 # ----------------------------------------------------------------------------- scoring

@@ -11,9 +11,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from accelerate import init_empty_weights
-from transformers import AutoModelForCausalLM
-
 from llmtrain import eval as harness_lib
 from llmtrain import export
 from llmtrain.config import ConfigError, HarnessConfig, LoraConfig
@@ -48,10 +45,8 @@ class Harness:
         state = export.hf_state(run.model, run.plan.strategy, run.env.device, self.lora)
         scores = {}
         if state:
-            with init_empty_weights():
-                model = AutoModelForCausalLM.from_config(run.model_config, dtype=torch.float32)
-            model.load_state_dict(state, strict=False, assign=True)  # tied embeddings: lm_head is embed_tokens
-            model.tie_weights()
+            model = harness_lib.model_from_weights(run.model_config, state, torch.float32,
+                                                   f"eval.harness at step {run.state.step}")
             scores = self._score(model, run.tokenizer)
             del model, state
         dist.barrier(group=self.wait)
