@@ -29,6 +29,10 @@ The 1-minute load average before and after each benchmark is recorded (the machi
               llama-32k's shape on data/demo/preference.jsonl (bench/configs/llama-32k-dpo.yaml: ddp, 2 ranks,
               sigmoid, live frozen reference, full fine-tuning): response tokens/s and peak memory per rank,
               --pairs pairs. Target >= 1.3x.
+  grpo        recipes/grpo.py vs TRL's GRPOTrainer (bench/trl_grpo.py, TRL's venv) from one model directory of
+              llama-32k's shape on data/demo/prompts.jsonl (bench/configs/llama-32k-grpo.yaml: ddp, 2 ranks,
+              G 4, 32-token completions, no vLLM): completion tokens trained/s (whole steps: sampling
+              included) and peak memory per rank, --pairs pairs. Target >= 1.5x.
   memory      per-rank bytes of parameters + gradients + AdamW state and peak RSS for ddp / fsdp /
               fsdp2 on an ~81M-parameter Llama (bench/memory_probe.py), and the host RAM used while
               loading it from a safetensors directory with 2 ranks vs one copy of the weights.
@@ -59,6 +63,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -72,7 +77,7 @@ BENCH = REPO / "bench"
 DEMO = REPO / "configs" / "demo.yaml"
 SHAPE_32K = BENCH / "configs" / "llama-32k.yaml"  # real proportions (Llama 2 / Mistral), scaled down
 SHAPE_128K = BENCH / "configs" / "llama-128k.yaml"  # Llama 3's vocabulary, seq 2048
-NAMES = ["overhead", "loss", "trainer", "trl", "dpo", "dpo_reference", "memory", "data", "checkpoint"]
+NAMES = ["overhead", "loss", "trainer", "trl", "dpo", "grpo", "dpo_reference", "memory", "data", "checkpoint"]
 TIMEOUT = 600
 
 
@@ -110,6 +115,8 @@ def write_config(path: Path, base: Path, changes: dict) -> Path:
 class Ctx:
     def __init__(self, quick: bool, work: Path, trl_venv: Path, pairs: int):
         self.quick, self.work, self.trl_venv, self.pairs = quick, work, trl_venv, pairs
+        # what the tables say: no machine's path in the results
+        self.trl_venv_shown = trl_venv.relative_to(REPO) if trl_venv.is_relative_to(REPO) else trl_venv.name
 
     def dir(self, name: str) -> Path:
         path = self.work / name
@@ -282,7 +289,7 @@ def vs_hf(ctx: Ctx, kind: str) -> dict:
     if kind == "trl":
         how = (f"TRL {hf_info['trl']} SFTTrainer: packing=True (strategy {hf_info['packing_strategy']}: padding-free "
                f"rows with position_ids), assistant_only_loss=True, max_length {seq}, attention "
-               f"{hf_info['attn_implementation']}, TRL defaults otherwise, in its own venv ({ctx.trl_venv})")
+               f"{hf_info['attn_implementation']}, TRL defaults otherwise, in its own venv ({ctx.trl_venv_shown})")
     else:
         how = f"DataCollatorForSeq2Seq(padding=True): {pad:.0%} of its positions are padding"
     text += (f"\n\nShape: {describe_shape(cfg)}, chat data (data/demo/chat.jsonl), 2 ranks gloo, fp32. Useful = label "
@@ -318,52 +325,59 @@ def bench_trl(ctx: Ctx) -> dict:
 
 SHAPE_DPO = BENCH / "configs" / "llama-32k-dpo.yaml"
 DPO_RECIPE = REPO / "recipes" / "dpo.py"
+SHAPE_GRPO = BENCH / "configs" / "llama-32k-grpo.yaml"
+GRPO_RECIPE = REPO / "recipes" / "grpo.py"
 
 
-def dpo_overrides(cfg: Path) -> list[str]:
-    """train.loss_impl=full while recipes/dpo.py refuses the default loss_impl; none once it takes it."""
-    try:
-        run([sys.executable, DPO_RECIPE, "--config", cfg, "--print-config"], TIMEOUT)
-    except BenchError as e:
-        if "train.loss_impl" not in str(e):
-            raise
-        return ["train.loss_impl=full"]
-    return []
-
-
-def bench_dpo(ctx: Ctx) -> dict:
-    """Useful (response) tokens/s of recipes/dpo.py vs TRL's DPOTrainer from one model directory, ddp, 2 ranks."""
-    steps, warmup, window, pairs = (6, 2, 2, 1) if ctx.quick else (20, 5, 5, ctx.pairs)
-    work = ctx.dir("dpo")
+def recipe_vs_trl(ctx: Ctx, name: str, recipe: Path, shape: Path, driver: str, steps: int, warmup: int,
+                  window: int, overrides: list[str] | None = None) -> tuple[list[tuple], Path, int, int]:
+    """`recipe` and TRL (bench/<driver>, TRL's venv) from one random model directory of llama-32k's shape, ddp,
+    2 ranks, --pairs alternating pairs: [(recipe, TRL)] with each side's rate, per-step counts, peak memory and
+    fastest `window`-step rate after `warmup` steps; and the config both read."""
+    pairs = 1 if ctx.quick else ctx.pairs
+    work = ctx.dir(name)
     bindir = trl_python(ctx)
     model_dir = work / "model"
-    shape = yaml.safe_load(SHAPE_32K.read_text())["model"]["config"]
-    run([sys.executable, BENCH / "memory_probe.py", "--export", model_dir, "--shape", json.dumps(shape)], TIMEOUT)
-    cfg = write_config(work / "dpo.yaml", SHAPE_DPO, {"model": {"path": str(model_dir)}})
-    c = yaml.safe_load(cfg.read_text())
-    overrides = dpo_overrides(cfg)
+    model_shape = yaml.safe_load(SHAPE_32K.read_text())["model"]["config"]
+    run([sys.executable, BENCH / "memory_probe.py", "--export", model_dir, "--shape", json.dumps(model_shape)],
+        TIMEOUT)
+    cfg = write_config(work / f"{name}.yaml", shape, {"model": {"path": str(model_dir)}})
+    data = yaml.safe_load(cfg.read_text())["data"]["path"]
 
     def run_recipe(i: int) -> dict:
         out = work / f"recipe_{i}"
-        torchrun([DPO_RECIPE, "--config", cfg, f"output_dir={out}", f"train.max_steps={steps}", "log.every_steps=1",
-                  "log.progress=false", "checkpoint.resume=never", *overrides], timeout=TIMEOUT,
+        torchrun([recipe, "--config", cfg, f"output_dir={out}", f"train.max_steps={steps}", "log.every_steps=1",
+                  "log.progress=false", "checkpoint.resume=never", *(overrides or [])], timeout=TIMEOUT,
                  log=work / f"recipe_{i}.log")
         records = train_records(out)
         rate, _, _ = useful_tokens_per_sec(records, warmup)
         tokens = [r["trained_tokens"] for r in records]
-        return {"rate": rate, "tokens": tokens, "mem": max(r["mem_gb"] for r in records),
+        return {"rate": rate, "tokens": tokens, "mem": max(r["mem_gb"] for r in records), "records": records,
                 "best": best_window_rate([r["elapsed_s"] for r in records], tokens, warmup, window)}
 
     def run_trl(i: int) -> dict:
         res = work / f"trl_{i}.json"
-        run([bindir / "torchrun", "--standalone", "--nproc_per_node=2", BENCH / "trl_dpo.py", "--config", cfg,
-             "--data", c["data"]["path"], "--steps", steps, "--warmup", warmup, "--output-dir", work / f"trl_{i}",
+        run([bindir / "torchrun", "--standalone", "--nproc_per_node=2", BENCH / driver, "--config", cfg,
+             "--data", data, "--steps", steps, "--warmup", warmup, "--output-dir", work / f"trl_{i}",
              "--out", res], TIMEOUT, {"HF_DATASETS_CACHE": str(work / "hf_cache")}, work / f"trl_{i}.log")
         info = json.loads(res.read_text())
         info["best"] = best_window_rate(info["step_end_s"], info["step_trained_tokens"], warmup, window)
         return info
 
-    runs = alternating_pairs(pairs, run_recipe, run_trl)
+    return alternating_pairs(pairs, run_recipe, run_trl), cfg, steps, warmup
+
+
+@dataclass
+class VsTrl:
+    """recipe_vs_trl's pairs summed up: the per-pair ratios (rate, fastest window, peak memory) and the table."""
+    ratios: list[float]
+    best: list[float]
+    mem: list[float]
+    table: str
+    same_tokens: bool
+
+
+def vs_trl_table(runs: list[tuple], trainer: str, what: str, window: int) -> VsTrl:
     ratios_ = [a["rate"] / b["useful_tokens_per_sec"] for a, b in runs]
     best = [a["best"] / b["best"] for a, b in runs]
     mem = [a["mem"] / (b["peak_rss_bytes"] / 2**30) for a, b in runs]
@@ -373,35 +387,84 @@ def bench_dpo(ctx: Ctx) -> dict:
     rows.append(["**median**", f"{median([a['rate'] for a, _ in runs]):,.0f}",
                  f"{median([b['useful_tokens_per_sec'] for _, b in runs]):,.0f}", f"**{median(ratios_):.2f}**",
                  f"{median(best):.2f}", f"ratio {median(mem):.2f}"])
-    text = table(["run (A = recipe, B = TRL DPOTrainer)", "recipe response tokens/s", "TRL response tokens/s",
-                  "recipe / TRL", f"best {window}-step window, recipe / TRL", "peak GiB / rank, recipe / TRL"], rows)
-    a, b = runs[-1]
+    text = table([f"run (A = recipe, B = TRL {trainer})", f"recipe {what}/s", f"TRL {what}/s", "recipe / TRL",
+                  f"best {window}-step window, recipe / TRL", "peak GiB / rank, recipe / TRL"], rows)
     same = all(x["tokens"] == y["step_trained_tokens"] for x, y in runs)
-    text += (f"\n\nShape: {describe_shape(SHAPE_32K).split(', seq')[0]}; one random model "
-             f"directory (bench/memory_probe.py --export) that both sides start from, for the policy and the frozen "
-             f"reference. Pairs: {c['data']['path']} (text form), max length {c['data']['seq_len']}, micro-batch "
-             f"{c['train']['micro_batch_size']} pairs per rank (chosen + rejected rows in one forward, padded to the "
-             f"longest row), 2 ranks gloo, DDP, fp32, sigmoid loss, beta {c['dpo']['beta']}, live frozen reference, "
-             f"full fine-tuning. Useful = response tokens of chosen and rejected rows (what "
-             f"carries a log-prob), all ranks: per step the two sides counted "
-             f"{'the same tokens (same pairs in the same order)' if same else 'different tokens'}, median "
-             f"{median(a['tokens'][warmup:]):,.0f}. Recipe: recipes/dpo.py, "
-             f"{' '.join(overrides) or 'train.loss_impl default'}. TRL {b['trl']} DPOTrainer: "
-             f"activation checkpointing {b['activation_checkpointing']} and bf16={b['bf16']} (TRL turns both on "
-             f"by default), precompute_ref_log_probs={b['precompute_ref_log_probs']}, padding_free={b['padding_free']} "
-             f"(TRL's defaults), truncation {b['truncation_mode']}, optimizer {b['optim']}, attention "
-             f"{b['attn_implementation']}, {b['wrapper']} with find_unused_parameters={b['find_unused_parameters']} "
-             f"(transformers' default without gradient checkpointing); TRL defaults otherwise, in its own venv "
-             f"({ctx.trl_venv}). {steps} steps, the first {warmup} left out; time from rank 0 at the end of each "
-             f"step. Peak memory: peak RSS of the process, max over ranks. Spread of the per-pair ratios: "
-             f"{max(ratios_) / min(ratios_):.2f}x.")
+    return VsTrl(ratios_, best, mem, text, same)
+
+
+def bench_dpo(ctx: Ctx) -> dict:
+    """Useful (response) tokens/s of recipes/dpo.py vs TRL's DPOTrainer from one model directory, ddp, 2 ranks."""
+    window = 2 if ctx.quick else 5
+    runs, cfg, steps, warmup = recipe_vs_trl(ctx, "dpo", DPO_RECIPE, SHAPE_DPO, "trl_dpo.py",
+                                             *((6, 2) if ctx.quick else (20, 5)), window)
+    c = yaml.safe_load(cfg.read_text())
+    v = vs_trl_table(runs, "DPOTrainer", "response tokens", window)
+    a, b = runs[-1]
+    text = v.table + (
+        f"\n\nShape: {describe_shape(SHAPE_32K).split(', seq')[0]}; one random model "
+        f"directory (bench/memory_probe.py --export) that both sides start from, for the policy and the frozen "
+        f"reference. Pairs: {c['data']['path']} (text form), max length {c['data']['seq_len']}, micro-batch "
+        f"{c['train']['micro_batch_size']} pairs per rank (chosen + rejected rows in one forward, padded to the "
+        f"longest row), 2 ranks gloo, DDP, fp32, sigmoid loss, beta {c['dpo']['beta']}, live frozen reference, "
+        f"full fine-tuning. Useful = response tokens of chosen and rejected rows (what "
+        f"carries a log-prob), all ranks: per step the two sides counted "
+        f"{'the same tokens (same pairs in the same order)' if v.same_tokens else 'different tokens'}, median "
+        f"{median(a['tokens'][warmup:]):,.0f}. Recipe: recipes/dpo.py, train.loss_impl default. TRL {b['trl']} "
+        f"DPOTrainer: activation checkpointing {b['activation_checkpointing']} and bf16={b['bf16']} (TRL turns both "
+        f"on by default), precompute_ref_log_probs={b['precompute_ref_log_probs']}, padding_free="
+        f"{b['padding_free']} (TRL's defaults), truncation {b['truncation_mode']}, optimizer {b['optim']}, "
+        f"attention {b['attn_implementation']}, {b['wrapper']} with find_unused_parameters="
+        f"{b['find_unused_parameters']} (transformers' default without gradient checkpointing); TRL defaults "
+        f"otherwise, in its own venv ({ctx.trl_venv_shown}). {steps} steps, the first {warmup} left out; time from "
+        f"rank 0 at the end of each step. Peak memory: peak RSS of the process, max over ranks. Spread of the per-pair "
+        f"ratios: {max(v.ratios) / min(v.ratios):.2f}x.")
     return {"title": "DPO: response tokens/s vs TRL DPOTrainer", "table": text,
-            "ratios": [ratio("dpo: recipe / TRL DPOTrainer response tokens/s", median(ratios_), 1.3),
-                       ratio("dpo: best window, recipe / TRL DPOTrainer", median(best), 1.3),
-                       ratio("dpo: recipe / TRL DPOTrainer peak memory per rank", median(mem))],
-            "raw": {"runs": runs, "ratios": ratios_, "best_window_ratios": best, "memory_ratios": mem,
-                    "same_tokens": same, "overrides": overrides, "steps": steps, "warmup": warmup,
+            "ratios": [ratio("dpo: recipe / TRL DPOTrainer response tokens/s", median(v.ratios), 1.3),
+                       ratio("dpo: best window, recipe / TRL DPOTrainer", median(v.best), 1.3),
+                       ratio("dpo: recipe / TRL DPOTrainer peak memory per rank", median(v.mem))],
+            "raw": {"runs": runs, "ratios": v.ratios, "best_window_ratios": v.best, "memory_ratios": v.mem,
+                    "same_tokens": v.same_tokens, "steps": steps, "warmup": warmup,
                     "config": str(SHAPE_DPO.relative_to(REPO))}}
+
+
+def bench_grpo(ctx: Ctx) -> dict:
+    """Completion tokens trained per second of recipes/grpo.py vs TRL's GRPOTrainer (generation, rewards and
+    the update: the whole step), one model directory, ddp, 2 ranks."""
+    window = 2 if ctx.quick else 3
+    runs, cfg, steps, warmup = recipe_vs_trl(ctx, "grpo", GRPO_RECIPE, SHAPE_GRPO, "trl_grpo.py",
+                                             *((5, 2) if ctx.quick else (12, 3)), window)
+    c = yaml.safe_load(cfg.read_text())
+    g = c["grpo"]
+    v = vs_trl_table(runs, "GRPOTrainer", "completion tokens trained", window)
+    a, b = runs[-1]
+    per_rank = c["train"]["micro_batch_size"]
+    gen = median([r["generation_s"] / r["step_time_s"] for r in a["records"][warmup:]])
+    text = v.table + (
+        f"\n\nShape: {describe_shape(SHAPE_32K).split(', seq')[0]}; one random model directory "
+        f"(bench/memory_probe.py --export) that both sides start from. Prompts: {c['data']['path']} (text), "
+        f"{per_rank} completions per rank a step ({per_rank // g['num_generations']} "
+        f"prompts x G {g['num_generations']}), max_completion_length {g['max_completion_length']}, temperature "
+        f"{g['temperature']}, loss_type {g['loss_type']}, beta {g['beta']}, reward {', '.join(g['reward_funcs'])}, "
+        f"2 ranks gloo, DDP, fp32, full fine-tuning, no vLLM on either side. Trained = completion tokens up to and "
+        f"including EOS (what carries the loss), all ranks; the random model rarely samples EOS, so nearly every "
+        f"completion runs to its maximum on both sides (median per step: recipe "
+        f"{median(a['tokens'][warmup:]):,.0f}, TRL {median(b['step_trained_tokens'][warmup:]):,.0f}). A step is "
+        f"the whole of it: sampling, rewards, the old/ref log-probs when needed, the update; in the recipe "
+        f"sampling took {gen:.0%} of the step (median). TRL {b['trl']} GRPOTrainer: gradient checkpointing "
+        f"{b['gradient_checkpointing']} and bf16={b['bf16']} (TRL turns both on by default), use_vllm="
+        f"{b['use_vllm']}, generation_batch_size {b['generation_batch_size']}, optimizer {b['optim']}, attention "
+        f"{b['attn_implementation']}; TRL defaults otherwise, in its own venv ({ctx.trl_venv_shown}). {steps} "
+        f"steps, the first {warmup} left out; time from rank 0 at the end of each step. Peak memory: peak RSS of the "
+        f"process, max over ranks. Spread of the per-pair ratios: {max(v.ratios) / min(v.ratios):.2f}x.")
+    for side, _ in runs:
+        side.pop("records")
+    return {"title": "GRPO: completion tokens trained/s vs TRL GRPOTrainer", "table": text,
+            "ratios": [ratio("grpo: recipe / TRL GRPOTrainer completion tokens trained/s", median(v.ratios), 1.5),
+                       ratio("grpo: best window, recipe / TRL GRPOTrainer", median(v.best), 1.5),
+                       ratio("grpo: recipe / TRL GRPOTrainer peak memory per rank", median(v.mem))],
+            "raw": {"runs": runs, "ratios": v.ratios, "best_window_ratios": v.best, "memory_ratios": v.mem,
+                    "steps": steps, "warmup": warmup, "config": str(SHAPE_GRPO.relative_to(REPO))}}
 
 
 # -- 3. memory -------------------------------------------------------------------------------------
@@ -590,7 +653,8 @@ def bench_dpo_reference(ctx: Ctx) -> dict:
             "raw": res["raw"]}
 
 
-BENCHES = {"overhead": bench_overhead, "loss": bench_loss, "trainer": bench_trainer, "trl": bench_trl, "dpo": bench_dpo,
+BENCHES = {"overhead": bench_overhead, "loss": bench_loss, "trainer": bench_trainer, "trl": bench_trl,
+           "dpo": bench_dpo, "grpo": bench_grpo,
            "dpo_reference": bench_dpo_reference, "memory": bench_memory, "data": bench_data,
            "checkpoint": bench_checkpoint}
 
