@@ -1,7 +1,8 @@
 """recipes/grpo.py end to end on a tiny random Llama and data/demo/prompts.jsonl (3 prompts x 4 completions a
 step, a reward of the completion's length): the step-1 loss and every metric equal the formulas computed from
-the completions it logged (dapo with beta > 0 and num_iterations 2; dr_grpo with LoRA, beta 0, one
-iteration); one process without a wrapper and 2 ranks under fsdp2, fsdp and ddp, with other micro-batch /
+the completions it logged, for each loss type (dapo, beta > 0, num_iterations 2, one process; dr_grpo with
+LoRA, beta 0, one iteration, one process; grpo, beta 0, one iteration, 2 ranks ddp; bnpo, beta > 0,
+num_iterations 2, 2 ranks fsdp2; on 2 ranks a group straddles them); one process without a wrapper and 2 ranks under fsdp2, fsdp and ddp, with other micro-batch /
 accumulation splits and a group straddling the two ranks, sample the same completions and log the same
 losses and metrics over 5 steps, LoRA too; a run stopped at step 3 (in the middle of a generation batch) on
 2 ranks ddp and resumed on 1 process fsdp2 continues as the uninterrupted run; a reward function that raises
@@ -67,6 +68,9 @@ def runs(setup):
                      "train.max_steps=3", "checkpoint.every_steps=3")),
         "lora_one": (1, LORA),
         "lora_two": (2, (*LORA, "parallel.strategy=ddp", *two)),
+        "grpo_two": (2, ("parallel.strategy=ddp", *two, "grpo.loss_type=grpo", "grpo.beta=0.0",
+                         "grpo.num_iterations=1", "train.max_steps=1")),
+        "bnpo_two": (2, ("parallel.strategy=fsdp2", *two, "grpo.loss_type=bnpo", "train.max_steps=1")),
     }
     running = []
     for key, (nproc, overrides) in specs.items():  # two at a time: a tiny run spends most of its time starting
@@ -95,7 +99,8 @@ def std(x: list[float]) -> float:
 
 def expected_step_1(logged: list[dict], loss_type: str, max_len: int) -> dict:
     """Every step-1 metric from the completions alone: at step 1 the ratio is 1 (and the KL 0: the
-    reference is the starting point), so the loss is -Σ A_i n_i over the loss type's denominator."""
+    reference is the starting point), so the loss is -Σ A_i n_i over the loss type's denominator, or for grpo
+    the mean over completions of each one's token mean, -A_i."""
     rewards = [len(r["completion"].strip()) / 10 for r in logged]
     assert rewards == pytest.approx([r["rewards"]["chars"] for r in logged], abs=1e-12)
     adv, zero = [], []
@@ -107,7 +112,8 @@ def expected_step_1(logged: list[dict], loss_type: str, max_len: int) -> dict:
     assert adv == pytest.approx([r["advantage"] for r in logged], abs=1e-5)
     n = [r["tokens"] for r in logged]
     weighted = -sum(a * k for a, k in zip(adv, n))
-    loss = weighted / sum(n) if loss_type == "dapo" else weighted / (len(n) * max_len)
+    loss = {"dapo": weighted / sum(n), "bnpo": weighted / sum(n), "dr_grpo": weighted / (len(n) * max_len),
+            "grpo": -sum(adv) / len(adv)}[loss_type]
     return {"loss": loss, "reward": sum(rewards) / len(rewards), "reward_std": std(rewards),
             "rewards/chars/mean": sum(rewards) / len(rewards), "rewards/chars/std": std(rewards),
             "frac_reward_zero_std": sum(zero) / len(zero), "completions/mean_length": sum(n) / len(n),
@@ -118,14 +124,15 @@ def expected_step_1(logged: list[dict], loss_type: str, max_len: int) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run, loss_type", [("one", "dapo"), ("lora_one", "dr_grpo")])
+@pytest.mark.parametrize("run, loss_type", [("one", "dapo"), ("lora_one", "dr_grpo"), ("grpo_two", "grpo"),
+                                           ("bnpo_two", "bnpo")])
 def test_step_1_equals_the_formulas_from_the_logged_completions(runs, run, loss_type):
     logged = [r for r in completions(runs / run) if r["step"] == 1]
     assert len(logged) == 12 and [r["generation"] for r in logged] == [0, 1, 2, 3] * 3
     first = records(runs / run)[0]
     for key, value in expected_step_1(logged, loss_type, 12).items():
         assert first[key] == pytest.approx(value, abs=1e-5), key
-    assert first["loss"] != 0 and ("kl" in first) == (run == "one")
+    assert first["loss"] != 0 and ("kl" in first) == (run in ("one", "bnpo_two"))
     if run == "one":
         assert first["kl"] == pytest.approx(0, abs=1e-6)
         later = records(runs / run)
