@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import REPO, TINY
-from helpers.procs import losses_by_step, read_metrics, run_recipe, run_side_by_side
+from helpers.procs import finish_recipe, losses_by_step, read_metrics, run_recipe, run_side_by_side, start_recipe
 from llmtrain import data
 from llmtrain.config import DataConfig
 from llmtrain.models.hf import load_tokenizer
@@ -286,10 +286,15 @@ def test_dpo_bad_settings_name_the_key(tmp_path, base):
              ("dpo.loss=simpo", PRECOMPUTE): "dpo.precompute_reference: dpo.loss=simpo uses no reference model",
              (PRECOMPUTE, "eval.every_steps=1", "data.val_fraction=0.2"):
                  "set eval.every_steps=0 or dpo.precompute_reference=false"}
-    for overrides, words in cases.items():
+    procs = {}  # all at once: each stops in its set-up, so the time is the processes' start-up
+    for i, overrides in enumerate(cases):
         args = [a for a in dpo_args(base) if not a.startswith(tuple(o.split("=")[0] + "=" for o in overrides))]
-        res = run_recipe(tmp_path / "bad", *args, *overrides, check=False, torchrun=False, config=TINY, script=DPO)
-        assert res.returncode == 2 and words in res.stderr, (overrides, res.stderr[-2000:])
+        procs[overrides] = start_recipe(tmp_path / f"bad{i}", *args, *overrides, torchrun=False, config=TINY,
+                                        script=DPO)
+    sft = start_recipe(tmp_path / "sft", *dpo_args(base), torchrun=False)  # pairs are not SFT data
+    for overrides, proc in procs.items():
+        res = finish_recipe(proc, check=False)
+        assert res.returncode == 2 and cases[overrides] in res.stderr, (overrides, res.stderr[-2000:])
         assert "Traceback" not in res.stderr
-    res = run_recipe(tmp_path / "sft", *dpo_args(base), check=False, torchrun=False)  # pairs are not SFT data
+    res = finish_recipe(sft, check=False)
     assert res.returncode == 2 and "recipes/dpo.py" in res.stderr, res.stderr[-2000:]

@@ -1,13 +1,13 @@
-"""recipes/grpo.py end to end on a tiny random Llama and data/demo/prompts.jsonl (3 prompts x 4 completions a
-step, a reward of the completion's length): the step-1 loss and every metric equal the formulas computed from
-the completions it logged, for each loss type (dapo, beta > 0, num_iterations 2, one process; dr_grpo with
-LoRA, beta 0, one iteration, one process; grpo, beta 0, one iteration, 2 ranks ddp; bnpo, beta > 0,
-num_iterations 2, 2 ranks fsdp2; on 2 ranks a group straddles them); one process without a wrapper and 2 ranks under fsdp2, fsdp and ddp, with other micro-batch /
-accumulation splits and a group straddling the two ranks, sample the same completions and log the same
-losses and metrics over 5 steps, LoRA too; a run stopped at step 3 (in the middle of a generation batch) on
-2 ranks ddp and resumed on 1 process fsdp2 continues as the uninterrupted run; a reward function that raises
-or returns the wrong length stops the run with one line naming it and the prompt (exit 1, no checkpoint, no
-export); a missing one exits 2 before any process starts."""
+"""recipes/grpo.py end to end on a tiny random Llama and data/demo/prompts.jsonl (3 prompts x 4 completions a step, a
+reward of the completion's length): the step-1 loss and every metric equal the formulas computed from the
+completions it logged, for each loss type (dapo, beta > 0, num_iterations 2, one process; dr_grpo with LoRA, beta 0,
+one iteration, one process; grpo, beta 0, one iteration, 2 ranks ddp; bnpo, beta > 0, num_iterations 2, 2 ranks
+fsdp2; on 2 ranks a group straddles them); one process without a wrapper and 2 ranks under fsdp2, fsdp and ddp, with
+other micro-batch / accumulation splits and a group straddling the two ranks, sample the same completions and log
+the same losses and metrics over 5 steps, LoRA too; a run stopped at step 3 (in the middle of a generation batch) on
+2 ranks ddp and resumed on 1 process fsdp2 continues as the uninterrupted run; a reward function that raises or
+returns the wrong length stops the run with one line naming it and the prompt (exit 1, no checkpoint, no export); a
+missing one exits 2 before any process starts."""
 
 from __future__ import annotations
 

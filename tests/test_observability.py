@@ -136,13 +136,15 @@ def test_log_section_keys_nest_and_round_trip(tmp_path):
 
 @pytest.mark.slow
 def test_help_explains_usage():
-    text = subprocess.run([sys.executable, RECIPE, "--help"], capture_output=True, text=True, check=True).stdout
+    helps = [subprocess.Popen([sys.executable, RECIPE, flag], stdout=subprocess.PIPE, text=True)  # side by side
+             for flag in ("--help", "--help-config")]
+    text, config = (proc.communicate(timeout=120)[0] for proc in helps)
+    assert [proc.returncode for proc in helps] == [0, 0]
     for words in ("torchrun --nproc_per_node=N recipes/finetune.py --config", "--help-config", "--print-config",
                   "metrics.jsonl", "python -m llmtrain.plot", "python -m llmtrain.generate",
                   "python -m llmtrain.convert"):
         assert words in text, words
-    lines = subprocess.run([sys.executable, RECIPE, "--help-config"], capture_output=True, text=True,
-                           check=True).stdout.splitlines()
+    lines = config.splitlines()
     assert any(line.startswith("log.wandb.project ") and "None" in line for line in lines)
 
 
