@@ -7,6 +7,12 @@ host memory (mem_gb: peak RSS, the max over ranks), the median step time after w
 extra time goes, measured on this machine's one thread per rank: dequantizing every block linear (torchao
 dequantizes a weight in the forward and again for the input gradient), the rest being LoRA's own step.
 
+The recipe's peak (getrusage's ru_maxrss) counts the safetensors file's pages mapped while loading (each rank
+touches ~1.2 GB of them at 634M) and whatever glibc keeps of freed blocks; so each side is also probed on its
+own (`_probe`, the same build_model and overrides, forward + backward of micro x seq tokens): the peak of its
+anonymous memory (RssAnon, sampled every 2 ms) while building and while training, run with glibc returning
+freed blocks >= 64 KiB to the system (MALLOC_MMAP_THRESHOLD_), so that the peak is what is live.
+
     python bench/qlora.py [--size 600M] [--steps 5] [--warmup 2] [--out DIR]
     python bench/qlora.py --estimate     # the fit table of docs/lora.md (no training; a few seconds)
 
@@ -18,6 +24,7 @@ with r=16 adapters, bf16: no memory, no compute), then adds them up for Llama-3.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -31,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RECIPE, fmt_bytes, median, torchrun, train_records
 from lora import COMMON_SHAPE, LORA, SIZES, WORLD, save_base
+from memory_probe import AnonPeak
 
 BF16 = [*LORA, "lora.base_dtype=bf16", "parallel.mixed_precision=bf16"]
 RUNS = {"LoRA r=16, bf16 base": BF16, "QLoRA r=16, nf4 base": [*BF16, "lora.quantize_base=nf4"]}
@@ -160,7 +168,42 @@ def _linear_dims(shape: dict) -> list[tuple[int, int]]:
     return [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)]
 
 
+LIVE = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}  # glibc: freed blocks go back
+
+
+def probe(overrides: list[str], steps: int, micro: int, seq: int, out: Path) -> None:
+    """One rank of the memory probe (under torchrun): build as the recipe does, then `steps` forward + backward
+    passes; rank 0 writes the peaks of anonymous memory (max over ranks) to `out`."""
+    import torch
+    import torch.distributed as dist
+
+    from llmtrain import distributed
+    from llmtrain.config import load_config
+    from llmtrain.models import hf as model_lib
+    from llmtrain.models.build import build_model
+
+    cfg = load_config(None, ["data.path=x", *overrides])
+    env = distributed.init(cfg.distributed)
+    model_config = model_lib.load_model_config(cfg.model, model_lib.load_tokenizer(cfg.model.path, False))
+    with AnonPeak() as building:
+        model = build_model(cfg.model, model_config, cfg.parallel, env, cfg.train.seed, cfg.lora).model
+    torch.manual_seed(0)
+    ids = torch.randint(0, model_config.vocab_size, (micro, seq))
+    with AnonPeak() as training:
+        for _ in range(steps):
+            model(input_ids=ids, labels=ids).loss.backward()
+    peaks = torch.tensor([building.peak, training.peak], dtype=torch.float64)
+    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    if env.rank == 0:
+        out.write_text(json.dumps({"build": peaks[0].item(), "train": peaks[1].item()}))
+    distributed.shutdown()
+
+
 def main() -> int:
+    if sys.argv[1:2] == ["_probe"]:
+        steps, micro, seq, out, *overrides = sys.argv[2:]
+        probe(overrides, int(steps), int(micro), int(seq), Path(out))
+        return 0
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", default="600M", choices=sorted(SIZES))
     p.add_argument("--steps", type=int, default=5)
@@ -182,7 +225,7 @@ def main() -> int:
               "train.warmup_steps=0", "log.every_steps=1", "log.progress=false", "distributed.preflight=false",
               "train.lr=1e-4"]
     load = os.getloadavg()
-    rows = {}
+    rows, probes = {}, {}
     for name, overrides in RUNS.items():
         out = root / ("qlora" if "nf4" in name else "lora")
         shutil.rmtree(out, ignore_errors=True)
@@ -194,6 +237,9 @@ def main() -> int:
             base_bytes += round((float(m.group(1)) - float(m.group(2))) * 2**20)
         rows[name] = (base_bytes, max(r["mem_gb"] for r in records) * 2**30,
                       median([r["step_time_s"] for r in records if r["step"] > args.warmup]))
+        torchrun([Path(__file__), "_probe", 2, args.micro, args.seq, out / "probe.json", *common, *overrides],
+                 nproc=WORLD, timeout=3600, env=LIVE, log=out / "probe.txt")
+        probes[name] = json.loads((out / "probe.json").read_text())
     load = tuple(max(a, b) for a, b in zip(load, os.getloadavg()))
     (lora_base, lora_peak, lora_step), (q_base, q_peak, q_step) = rows.values()
     print(f"\n{args.size} ({shape['hidden_size']} x {shape['num_hidden_layers']}), vocab {COMMON_SHAPE['vocab_size']}, "
@@ -206,8 +252,18 @@ def main() -> int:
         print(f"| {name} | {fmt_bytes(b)} | {b / lora_base:.3f}x | {fmt_bytes(peak)} | {peak / lora_peak:.2f}x | "
               f"{step:.2f} s | {step / lora_step:.2f}x |")
     saved = lora_base - q_base
-    print(f"\npeak(LoRA) - peak(QLoRA) = {fmt_bytes(lora_peak - q_peak)} per rank vs 0.8 x (bf16 base - NF4 base) "
-          f"= {fmt_bytes(0.8 * saved)} ({(lora_peak - q_peak) / saved:.2f}x the bytes saved)")
+    print(f"\nrecipe: peak(LoRA) - peak(QLoRA) = {fmt_bytes(lora_peak - q_peak)} per rank vs 0.8 x (bf16 base - NF4 "
+          f"base) = {fmt_bytes(0.8 * saved)} ({(lora_peak - q_peak) / saved:.2f}x the bytes saved)\n")
+    print("| probe (anonymous memory, freed blocks returned) | peak building / rank | vs LoRA | peak in 2 forward + "
+          "backward / rank | vs LoRA |")
+    print("| --- | --- | --- | --- | --- |")
+    lora_probe = probes[next(iter(probes))]
+    for name, peaks in probes.items():
+        print(f"| {name} | {fmt_bytes(peaks['build'])} | {peaks['build'] / lora_probe['build']:.2f}x | "
+              f"{fmt_bytes(peaks['train'])} | {peaks['train'] / lora_probe['train']:.2f}x |")
+    drop = lora_probe["train"] - probes[list(probes)[1]]["train"]
+    print(f"\nprobe: peak(LoRA) - peak(QLoRA) in training = {fmt_bytes(drop)} per rank ({drop / saved:.2f}x the "
+          f"{fmt_bytes(saved)} the base saved; goal >= 0.8x)")
     dequant = dequant_seconds(shape)
     extra = q_step - lora_step
     print(f"\nwhere QLoRA's extra {extra:.2f} s per step goes: dequantizing the {shape['num_hidden_layers']} layers' "
