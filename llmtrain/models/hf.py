@@ -74,7 +74,7 @@ def check_not_quantized(path: str) -> None:
         method = quant.get("quant_method", "unknown method") if isinstance(quant, dict) else quant
         raise ConfigError(f"model.path: {path} is quantized (config.json quantization_config: {method}); llmtrain "
                           "loads full-precision weights: point model.path at the original (unquantized) model, and "
-                          "set lora.quantize_base=nf4 for a 4-bit base (QLoRA, quantized as it loads)")
+                          "set lora.quantize_base=nf4 for a 4-bit base (QLoRA, quantized once loaded)")
 
 
 def check_weights(path: Path) -> None:
