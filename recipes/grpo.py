@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from llmtrain import distributed, generation, rewards
 from llmtrain.config import ConfigError
-from llmtrain.data import IGNORE
+from llmtrain.data import IGNORE, SAMPLE_INDEX
 from llmtrain.losses import policy
 from llmtrain.losses.policy import GRPOConfig
 from llmtrain.losses.token import next_token_targets
@@ -137,7 +137,7 @@ class GRPO(Recipe):
             held = self.generated.state if self.generated.state.get("step") == index else None
             self.micro, metrics = self.restore(prompts, held) if held else self.generate(prompts, index)
             self.metrics = metrics
-        result = accumulate(run.stepper, self.micro, self)
+        result = accumulate(run.stepper, self.micro, self, (run.cfg.train.seed, run.state.step))
         return result._replace(extra={**self.metrics, **result.extra}, rows=self.micro)
 
     def mine(self) -> range:
@@ -228,7 +228,8 @@ class GRPO(Recipe):
             done = generation.from_lists(tokens[i:i + n], truncated[i:i + n], self.pad)
             b = generation.training_rows(ids[i:i + n], done, self.pad, g.mask_truncated_completions)
             out.append({**{k: v.to(self.run.env.device) for k, v in b.items()},
-                        "advantages": torch.tensor(advantages[i:i + n], device=self.run.env.device)})
+                        "advantages": torch.tensor(advantages[i:i + n], device=self.run.env.device),
+                        SAMPLE_INDEX: torch.tensor(rows[i:i + n], device=self.run.env.device)})
         return out
 
     def score_logps(self, micro: list[dict]) -> tuple[list | None, list | None]:

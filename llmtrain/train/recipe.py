@@ -68,7 +68,7 @@ class Recipe:
 
     def step(self, batches: list[dict]) -> StepResult:
         """One optimizer step; by default one accumulation over the micro-batches of the recipe's objective."""
-        return accumulate(self.run.stepper, batches, self.objective)
+        return accumulate(self.run.stepper, batches, self.objective, (self.run.cfg.train.seed, self.run.state.step))
 
     def evaluate(self, at_step: int) -> dict:
         """Validation metrics at eval.every_steps (a collective); {} logs nothing."""
