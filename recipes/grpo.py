@@ -97,6 +97,7 @@ class GRPO(Recipe):
         self.check_existing_model(cfg, "configs/demo-grpo.yaml")
         policy.check(cfg.grpo)
         rewards.load_all(cfg.grpo.reward_funcs)  # a missing module, file or function: exit 2 here
+        rewards.reward_timeout(cfg.grpo.reward_timeout_s, cfg.distributed.timeout_s)
         if cfg.train.loss_impl == "liger":
             raise ConfigError("train.loss_impl: recipes/grpo.py takes chunked (the default) or full; liger yields "
                               "no per-token log-probs")
@@ -119,6 +120,7 @@ class GRPO(Recipe):
         g, tok = run.cfg.grpo, run.tokenizer
         self.section, self.objective, self.micro = g, self, None
         self.funcs = rewards.load_all(g.reward_funcs)
+        self.reward_timeout = rewards.reward_timeout(g.reward_timeout_s, run.cfg.distributed.timeout_s)
         self.eos = model_lib.stop_ids(run.model_config.eos_token_id, tok)
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else self.eos[0]
         self.sampling = generation.Sampling(g.max_completion_length, g.temperature, g.top_p, g.top_k)
@@ -167,6 +169,8 @@ class GRPO(Recipe):
         every = lambda t: gather_rows(t.to(env.device)).cpu()  # noqa: E731
         scores, lengths, truncated = every(per_func), every(out.lengths), every(out.truncated.long())
         adv = policy.group_advantages(scores, g.reward_weights, G, g.scale_rewards)
+        if note := rewards.none_applied(scores, self.funcs, prompts["prompt_index"].tolist(), run.state.step + 1):
+            run.metrics.info(note)
         generated = distributed.all_reduce(out.lengths.sum().to(env.device)).item()
         seconds = distributed.all_reduce(torch.tensor(seconds, device=env.device), dist.ReduceOp.MAX).item()
         metrics = {**policy.reward_metrics(scores, [f.name for f in self.funcs], adv),
@@ -204,19 +208,11 @@ class GRPO(Recipe):
         return micro, held["metrics"]
 
     def score(self, prompts, completions, tokens, columns, prompt_index) -> torch.Tensor:
-        """[completions, functions] rewards; a reward function's failure on any rank stops every rank with its
-        one line (rewards.RewardError: exit 1), before anything of this step is saved."""
-        error, per_func = None, None
-        try:
-            per_func = torch.tensor(rewards.score(self.funcs, prompts, completions, tokens, columns, prompt_index),
-                                    dtype=torch.float64)
-        except rewards.RewardError as e:
-            error = str(e)
-        errors = [None] * self.run.env.world_size
-        dist.all_gather_object(errors, error)
-        if failed := next((e for e in errors if e), None):
-            raise rewards.RewardError(failed)
-        return per_func
+        """[completions, functions] rewards; a failure on any rank stops every rank (rewards.score_everywhere)."""
+        env = self.run.env
+        per_func = rewards.score_everywhere(self.funcs, prompts, completions, tokens, columns, prompt_index,
+                                            self.reward_timeout, env.rank, env.world_size)
+        return torch.tensor(per_func, dtype=torch.float64)
 
     def batches(self, prompts: dict, tokens: list[list[int]], truncated: list[bool],
                 advantages: list[float]) -> list[dict]:

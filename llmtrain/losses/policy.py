@@ -94,6 +94,9 @@ class GRPOSection:
     llmtrain.rewards:exact_answer, llmtrain.rewards:format_regex."""
     reward_weights: list[float] = ranged("[0, inf)", default_factory=list)
     """One weight per reward function (empty: all 1); a penalty is a function returning negative rewards."""
+    reward_timeout_s: float | None = ranged("(0, inf)", default=None)
+    """Seconds a reward function's call may take on a rank; beyond, the run stops (exit 1) with one line naming
+    the function and the rank. Must be below distributed.timeout_s (None: half of it)."""
 
 
 @dataclass
