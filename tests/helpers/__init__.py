@@ -10,7 +10,8 @@ TINY = REPO / "tests" / "tiny.yaml"
 
 def recipe_configs() -> list[type]:
     """Every recipe's config class: Config and its subclasses, which live with their losses in llmtrain.losses
-    (dpo.* in preference.py, grpo.* in policy.py), so no test needs to load a recipe as a module."""
+    (dpo.* in preference.py, grpo.* in policy.py) or in llmtrain.distill (distill.*), so no test needs to load
+    a recipe as a module."""
     import importlib
     import pkgutil
 
@@ -19,4 +20,5 @@ def recipe_configs() -> list[type]:
 
     for module in pkgutil.iter_modules(losses.__path__):
         importlib.import_module(f"llmtrain.losses.{module.name}")
+    importlib.import_module("llmtrain.distill")
     return [Config, *Config.__subclasses__()]
