@@ -47,7 +47,9 @@ grpo.num_generations times. data.seq_len is the prompt's budget (longer prompts 
 Writes to output_dir what recipes/finetune.py writes; metrics.jsonl adds TRL's names: reward, reward_std,
 rewards/<func>/mean and /std, frac_reward_zero_std, kl (grpo.beta > 0), completions/mean_length, /min_length,
 /max_length, /clipped_ratio, clip_ratio/low_mean, /high_mean, /region_mean, and generation_s,
-generated_tokens_per_s; log.completions_every_steps: sampled completions to output_dir/completions.jsonl.
+generated_tokens_per_s, and the drift guard's sampling/logprob_diff/mean, /max, sampling/importance_ratio/min,
+/mean, /max (grpo.importance_correction); log.completions_every_steps: sampled completions to
+output_dir/completions.jsonl.
 """
 LOGGED_PROMPTS = 4  # prompts (each with all its completions) per completions.jsonl record set
 
@@ -74,8 +76,8 @@ class PromptSteps:
 
 class Generated:
     """The generation batch that the next updates reuse (num_iterations > 1), every rank's, JSON-able:
-    completion token ids, truncation, advantages, sampling-time and reference log-probs of the trained
-    tokens, the batch's metrics."""
+    completion token ids, truncation, advantages, the trainer's sampling-time, the engine's and the
+    reference's log-probs of the trained tokens, the batch's metrics."""
 
     def __init__(self):
         self.state: dict = {}
@@ -137,6 +139,7 @@ class GRPO(Recipe):
             held = self.generated.state if self.generated.state.get("step") == index else None
             self.micro, metrics = self.restore(prompts, held) if held else self.generate(prompts, index)
             self.metrics = metrics
+        self.drift_minima = None  # the step's PolicySums.drift_minima, combined by share()
         result = accumulate(run.stepper, self.micro, self)
         return result._replace(extra={**self.metrics, **result.extra}, rows=self.micro)
 
@@ -157,6 +160,7 @@ class GRPO(Recipe):
                                       self.sampling, self.eos, self.pad, env.device)
         seconds = time.perf_counter() - t0
         tokens = [r[:n] for r, n in zip(out.ids.tolist(), out.lengths.tolist())]
+        engine = [r[:n] for r, n in zip(out.logps.tolist(), out.lengths.tolist())]
         texts = run.tokenizer.batch_decode(tokens, skip_special_tokens=True)
         chat = [isinstance(prompts["prompts"][c // G], list) for c in rows]
         completions = [[{"role": "assistant", "content": t}] if is_chat else t for t, is_chat in zip(texts, chat)]
@@ -175,7 +179,7 @@ class GRPO(Recipe):
                    "completions/clipped_ratio": truncated.float().mean().item(),
                    "generation_s": seconds, "generated_tokens_per_s": generated / max(seconds, 1e-9)}
         advantages = adv.advantages[rows.start:rows.stop].tolist()
-        micro = self.batches(prompts, tokens, out.truncated.tolist(), advantages)
+        micro = self.batches(prompts, tokens, out.truncated.tolist(), advantages, engine)
         old, ref = self.score_logps(micro)
         every_n = run.cfg.log.completions_every_steps
         if every_n and index % every_n == 0:
@@ -183,18 +187,18 @@ class GRPO(Recipe):
                                  adv, run.state.step + 1)
         if g.num_iterations > 1:  # every rank's part, for a checkpoint in the middle of the batch
             parts = [None] * env.world_size
-            dist.all_gather_object(parts, (tokens, out.truncated.tolist(), old, ref))
+            dist.all_gather_object(parts, (tokens, out.truncated.tolist(), old, ref, engine))
             self.generated.state = {"step": index, "advantages": adv.advantages.tolist(), "metrics": metrics,
                                     **{k: sum((p[i] for p in parts), []) if parts[0][i] is not None else None
-                                       for i, k in enumerate(("completions", "truncated", "old", "ref"))}}
+                                       for i, k in enumerate(("completions", "truncated", "old", "ref", "engine"))}}
         return micro, metrics
 
     def restore(self, prompts: dict, held: dict) -> tuple[list[dict], dict]:
         """A resume in the middle of a generation batch: this rank's micro-batches from the checkpoint's."""
         rows = self.mine()
         part = {k: held[k][rows.start:rows.stop] if held[k] is not None else None
-                for k in ("completions", "truncated", "advantages", "old", "ref")}
-        micro = self.batches(prompts, part["completions"], part["truncated"], part["advantages"])
+                for k in ("completions", "truncated", "advantages", "old", "ref", "engine")}
+        micro = self.batches(prompts, part["completions"], part["truncated"], part["advantages"], part["engine"])
         n = self.run.cfg.train.micro_batch_size
         for i, b in enumerate(micro):
             for key, name in (("old", "old_logps"), ("ref", "ref_logps")):
@@ -218,17 +222,22 @@ class GRPO(Recipe):
             raise rewards.RewardError(failed)
         return per_func
 
-    def batches(self, prompts: dict, tokens: list[list[int]], truncated: list[bool],
-                advantages: list[float]) -> list[dict]:
-        """This rank's micro-batches of training rows (prompt + completion) with their advantages."""
+    def batches(self, prompts: dict, tokens: list[list[int]], truncated: list[bool], advantages: list[float],
+                engine: list[list[float]]) -> list[dict]:
+        """This rank's micro-batches of training rows (prompt + completion) with their advantages and the
+        engine's log-probs of the trained tokens (engine_logps)."""
         g, n, rows = self.section, self.run.cfg.train.micro_batch_size, self.mine()
         ids = [prompts["prompt_ids"][c // g.num_generations] for c in rows]
         out = []
         for i in range(0, len(rows), n):
             done = generation.from_lists(tokens[i:i + n], truncated[i:i + n], self.pad)
             b = generation.training_rows(ids[i:i + n], done, self.pad, g.mask_truncated_completions)
-            out.append({**{k: v.to(self.run.env.device) for k, v in b.items()},
-                        "advantages": torch.tensor(advantages[i:i + n], device=self.run.env.device)})
+            b = {**{k: v.to(self.run.env.device) for k, v in b.items()},
+                 "advantages": torch.tensor(advantages[i:i + n], device=self.run.env.device)}
+            trained = [x for row, cut in zip(engine[i:i + n], truncated[i:i + n])
+                       if not (cut and g.mask_truncated_completions) for x in row]
+            b["engine_logps"] = policy.to_grid(torch.tensor(trained, device=self.run.env.device), self.keep(b))
+            out.append(b)
         return out
 
     def score_logps(self, micro: list[dict]) -> tuple[list | None, list | None]:
@@ -276,12 +285,18 @@ class GRPO(Recipe):
         g, keep = self.section, self.keep(batch)
         logps = policy.to_grid(self.run.token_loss.token_logps(model, batch, g.temperature), keep)
         sums = policy.policy_sums(logps, keep, batch["advantages"], batch.get("old_logps"), batch.get("ref_logps"),
-                                  g.loss_type, g.epsilon, g.epsilon_high, g.beta, g.use_bias_correction_kl)
+                                  g.loss_type, g.epsilon, g.epsilon_high, g.beta, g.use_bias_correction_kl,
+                                  batch["engine_logps"], g.importance_correction, g.importance_cap, g.importance_level)
         part = policy.objective(sums, totals[1:], g.loss_type, g.max_completion_length)
-        return Share(part, torch.cat([part.detach().reshape(1), sums.metrics]))
+        self.drift_minima = sums.drift_minima if self.drift_minima is None else torch.minimum(self.drift_minima,
+                                                                                              sums.drift_minima)
+        return Share(part, torch.cat([part.detach().reshape(1), sums.metrics, sums.drift]))
 
     def report(self, metrics: torch.Tensor, totals: torch.Tensor) -> tuple[float, dict]:
-        return metrics[0].item(), policy.metrics(metrics[1:], None, int(totals[2]), self.section.beta)
+        n = 1 + len(policy.METRICS)
+        minima = distributed.all_reduce(self.drift_minima, dist.ReduceOp.MIN)  # every rank reports: collective
+        return metrics[0].item(), {**policy.metrics(metrics[1:n], None, int(totals[2]), self.section.beta),
+                                   **policy.drift_metrics(metrics[n:], minima)}
 
 
 def gather_rows(t: torch.Tensor) -> torch.Tensor:

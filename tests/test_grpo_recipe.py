@@ -194,3 +194,14 @@ def test_missing_reward_function_exits_2_before_start(setup):
                      check=False)
     assert res.returncode == 2 and f"{spec!r}: " in res.stderr and "has no function 'nope'" in res.stderr
     assert not (tmp / "missing").exists()
+
+
+@pytest.mark.slow
+def test_the_local_engine_does_not_drift(runs):
+    """The local sampler's log-probs are the trainer's (fp32, no top-k / top-p): the drift guard logs ~0
+    differences and importance ratios ~1 at every step, every strategy, resumed or not."""
+    for run in ("one", "fsdp2", "fsdp", "part", "lora_two"):
+        for r in records(runs / run):
+            assert 0 <= r["sampling/logprob_diff/mean"] <= r["sampling/logprob_diff/max"] < 1e-4, (run, r["step"])
+            for k in ("min", "mean", "max"):
+                assert r[f"sampling/importance_ratio/{k}"] == pytest.approx(1, abs=1e-4), (run, r["step"], k)
