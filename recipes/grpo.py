@@ -98,6 +98,8 @@ class GRPO(Recipe):
     def check(self, cfg: GRPOConfig) -> None:
         self.check_existing_model(cfg, "configs/demo-grpo.yaml")
         policy.check(cfg.grpo)
+        device = cfg.distributed.device
+        policy.check_engine(cfg.grpo.engine, device == "cuda" or (device == "auto" and torch.cuda.is_available()))
         rewards.load_all(cfg.grpo.reward_funcs)  # a missing module, file or function: exit 2 here
         if cfg.train.loss_impl == "liger":
             raise ConfigError("train.loss_impl: recipes/grpo.py takes chunked (the default) or full; liger yields "

@@ -67,6 +67,7 @@ SCALE_REWARDS = ("group", "batch", "none")
 METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 EXTREMES = ("clip_ratio/low_min", "clip_ratio/high_max")  # over completions: reduced with MIN, not summed
 STD_EPS = 1e-4  # TRL's: A = (r - mean) / (std + 1e-4)
+ENGINES = ("local", "transformers", "vllm")
 CORRECTIONS = ("none", "tis", "mis")
 IMPORTANCE_LEVELS = ("token", "sequence")
 
@@ -108,6 +109,10 @@ class GRPOSection:
     llmtrain.rewards:exact_answer, llmtrain.rewards:format_regex."""
     reward_weights: list[float] = ranged("[0, inf)", default_factory=list)
     """One weight per reward function (empty: all 1); a penalty is a function returning negative rewards."""
+    engine: Literal["local", "transformers", "vllm"] = "local"
+    """What samples the completions: local (llmtrain.generation's keyed sampler in the training processes,
+    the same completions at any world size, strategy or resume); transformers (continuous batching) and vllm
+    (colocated, CUDA only) are not wired into recipes/grpo.py yet and are refused at set-up."""
     importance_correction: Literal["none", "tis", "mis"] = "none"
     """Correct for the engine's log-probs differing from the trainer's (TRL's vllm_importance_sampling_*): tis
     multiplies each token's policy-gradient loss by min(exp(trainer - engine log-prob), importance_cap)
@@ -163,6 +168,16 @@ def check(section: GRPOSection) -> None:
     if s.reward_weights and len(s.reward_weights) != len(s.reward_funcs):
         raise ConfigError(f"grpo.reward_weights: {len(s.reward_weights)} weights for {len(s.reward_funcs)} "
                           "grpo.reward_funcs; give one per function")
+
+
+def check_engine(engine: str, cuda: bool) -> None:
+    """grpo.engine at set-up: a valid choice, vllm on a CUDA device only; only local is wired in yet."""
+    if engine not in ENGINES:
+        raise ConfigError(f"grpo.engine: {engine!r} is not a valid choice; choose one of {', '.join(ENGINES)}")
+    if engine == "vllm" and not cuda:
+        raise ConfigError("grpo.engine: vllm runs on CUDA GPUs only and this run is on CPU; use grpo.engine=local")
+    if engine != "local":
+        raise ConfigError(f"grpo.engine: {engine} is not wired into recipes/grpo.py yet; use grpo.engine=local")
 
 
 def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
