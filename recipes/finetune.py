@@ -32,7 +32,7 @@ Settings come from the YAML file, then from dotted overrides (train.lr=1e-4 log.
 Writes to output_dir: metrics.jsonl (one record per logged step), config.yaml, checkpoints/
 (checkpoint.every_steps; a rerun resumes), hf/ (the Hugging Face export), tensorboard/, wandb/.
 Then: python -m llmtrain.plot OUTPUT_DIR          loss / lr / throughput curves as a PNG
-      python -m llmtrain.generate --model OUTPUT_DIR/hf --prompt "..." [--chat]
+      python -m llmtrain.tools.generate --model OUTPUT_DIR/hf --prompt "..." [--chat]
       python -m llmtrain.convert OUTPUT_DIR/checkpoints/step_N OUT    checkpoint -> HF export
 """
 

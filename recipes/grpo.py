@@ -6,7 +6,7 @@
 
 What is this recipe's own (docs/grpo.md): the grpo: section; the step's prompts (data.format: prompt; every
 rank gets all of them, the same for grpo.num_iterations steps); and the step: sample the completions
-(llmtrain.generation, keyed by (seed, generation batch, prompt, generation index)), score them
+(llmtrain.rollout.local, keyed by (seed, generation batch, prompt, generation index)), score them
 (llmtrain.rewards), group-relative advantages over every rank's rewards, then the clipped surrogate
 (llmtrain.losses.policy) through the shared accumulation, num_iterations times on the same completions.
 The generation batch is registered state with num_iterations > 1, so a resume in its middle continues on
@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a 
 import torch
 import torch.distributed as dist
 
-from llmtrain import distributed, generation, rewards
+from llmtrain import distributed, rewards
+from llmtrain.rollout import local as generation
 from llmtrain.config import ConfigError
 from llmtrain.data import IGNORE
 from llmtrain.losses import policy

@@ -149,7 +149,7 @@ def test_the_checks_see_what_they_check():
     readme = text(REPO / "README.md")
     assert {"demo", "test"} <= set(MAKE.findall(code(readme)))
     assert "recipes/finetune.py" in PATHS.findall(readme) and "configs/demo.yaml" in PATHS.findall(readme)
-    assert "llmtrain.generate" in MODULE.findall(readme)
+    assert "llmtrain.tools.generate" in MODULE.findall(readme)
     assert {"parallel.mixed_precision", "lora.enabled", "model.path", "train.max_steps"} <= named_config_keys(readme)
     assert "docs/data.md" in LINK.findall(prose(readme))
     assert "checkpoints-resume-preemption-and-export-checkpoint" in anchors(text(REPO / "docs" / "checkpoints.md"))

@@ -1,4 +1,4 @@
-"""llmtrain.generation: a completion depends on its key, its prompt and the weights only (the same tokens in
+"""llmtrain.rollout.local: a completion depends on its key, its prompt and the weights only (the same tokens in
 other batch groupings and orders), stops at every EOS id with the EOS kept and the rest masked, flags
 truncation, filters like transformers' top-k / top-p warpers, decodes greedily as model.generate does with
 top_k=1; and 2 ranks under FSDP2, FSDP1 and DDP (gloo) sample what one unwrapped process samples, with
@@ -18,7 +18,7 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 from helpers import REPO
 from helpers.procs import launch
 from llmtrain.data.formats import IGNORE
-from llmtrain.generation import Completions, Sampling, filter_logits, generate, pick, sample_seed, training_rows
+from llmtrain.rollout.local import Completions, Sampling, filter_logits, generate, pick, sample_seed, training_rows
 from llmtrain.losses.token import next_token_targets
 
 VOCAB, EOS, PAD = 16, [2, 3], 0
@@ -137,7 +137,7 @@ WORKER = textwrap.dedent("""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
     sys.path.insert(0, sys.argv[3])
     from test_grpo_generation import EOS, PAD, SAMPLING, rows_and_keys, tiny
-    from llmtrain.generation import gathered, generate
+    from llmtrain.rollout.local import gathered, generate
 
     strategy, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")

@@ -141,7 +141,7 @@ def test_help_explains_usage():
     text, config = (proc.communicate(timeout=120)[0] for proc in helps)
     assert [proc.returncode for proc in helps] == [0, 0]
     for words in ("torchrun --nproc_per_node=N recipes/finetune.py --config", "--help-config", "--print-config",
-                  "metrics.jsonl", "python -m llmtrain.plot", "python -m llmtrain.generate",
+                  "metrics.jsonl", "python -m llmtrain.plot", "python -m llmtrain.tools.generate",
                   "python -m llmtrain.convert"):
         assert words in text, words
     lines = config.splitlines()
@@ -372,7 +372,7 @@ def test_generate_cli_matches_transformers(observed):
     from llmtrain import generate
 
     out, _ = observed
-    res = launch(["-m", "llmtrain.generate", "--model", out / "hf", "--prompt", "Hello there", "--chat",
+    res = launch(["-m", "llmtrain.tools.generate", "--model", out / "hf", "--prompt", "Hello there", "--chat",
                   "--max-new-tokens", "8"], torchrun=False, timeout=120)
     assert res.returncode == 0, res.stderr
     model, tok = generate.load(str(out / "hf"), "cpu")

@@ -1,7 +1,7 @@
 """Try a model: complete a prompt with transformers' generate.
 
-    python -m llmtrain.generate --model OUTPUT_DIR/hf --prompt "Once upon a time" [--max-new-tokens N]
-    python -m llmtrain.generate --model OUTPUT_DIR/hf --prompt "Hi!" --chat [--system "..."]
+    python -m llmtrain.tools.generate --model OUTPUT_DIR/hf --prompt "Once upon a time" [--max-new-tokens N]
+    python -m llmtrain.tools.generate --model OUTPUT_DIR/hf --prompt "Hi!" --chat [--system "..."]
 
 --chat wraps the prompt as a user turn with the tokenizer's chat template (and asks for the
 assistant's turn); without it the prompt is continued as plain text. Greedy by default;
@@ -68,7 +68,7 @@ def load(model_dir: str, device: str = "auto", dtype: str = "auto"):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m llmtrain.generate", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m llmtrain.tools.generate", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     p.add_argument("--model", required=True, help="a Hugging Face model directory, e.g. OUTPUT_DIR/hf")

@@ -1,0 +1,1 @@
+"""Command-line tools that are not part of a training run (python -m llmtrain.tools.<name> --help)."""
