@@ -48,10 +48,11 @@ class RandomSteps:
 
 def random_data_recipe():
     """recipes/finetune.py's objective on random tokens (RandomSteps), without the export."""
-    from llmtrain.train.recipe import Recipe
-    from llmtrain.train.step import TokenObjective
+    from llmtrain.recipes.base import Recipe
+    from llmtrain.recipes.sft import TokenObjective
 
     class RandomData(Recipe):
+        name = "finetune"
         usage = __doc__
         final_export = False
 

@@ -43,7 +43,8 @@ def main() -> None:
     from llmtrain.losses.token import TokenLoss
     from llmtrain.models import hf as model_lib
     from llmtrain.models.build import build_model
-    from llmtrain.train.step import Stepper, TokenObjective, accumulate
+    from llmtrain.recipes.sft import TokenObjective
+    from llmtrain.train.step import Stepper, accumulate
 
     cfg = load_config(args.config, ["distributed.preflight=false"])
     env = distributed.init(cfg.distributed)

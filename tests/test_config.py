@@ -11,7 +11,7 @@ import pytest
 from helpers import RECIPE, TINY, recipe_configs
 from helpers.procs import launch
 from llmtrain.config import ConfigError, Range, describe, load_config, to_yaml
-from llmtrain.losses.preference import DPOConfig
+from llmtrain.recipes.dpo import DPOConfig
 
 
 def test_yaml_and_overrides_are_typed():

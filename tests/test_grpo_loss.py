@@ -16,6 +16,7 @@ import torch
 from llmtrain.config import ConfigError
 from llmtrain.losses import policy
 from llmtrain.losses.token import TokenLoss
+from llmtrain.recipes import grpo
 from test_loss import CONFIGS, HEADS, batch, loss_and_grads, tiny_head
 
 ROWS, WIDTH, MAX_LEN = 6, 7, 9
@@ -178,8 +179,8 @@ def test_group_advantages_and_reward_metrics_equal_numpy(scale):
 
 
 def test_grpo_section_checks_name_the_key():
-    ok = policy.GRPOSection(reward_funcs=["llmtrain.rewards:exact_answer"])
-    policy.check(ok)
+    ok = grpo.GRPOSection(reward_funcs=["llmtrain.rewards:exact_answer"])
+    grpo.check(ok)
     for change, key in [(dict(num_generations=1), "grpo.num_generations"),
                         (dict(max_completion_length=0), "grpo.max_completion_length"),
                         (dict(temperature=0.0), "grpo.temperature"), (dict(top_p=0.0), "grpo.top_p"),
@@ -187,7 +188,7 @@ def test_grpo_section_checks_name_the_key():
                         (dict(reward_funcs=[]), "grpo.reward_funcs"),
                         (dict(reward_weights=[1.0, 2.0]), "grpo.reward_weights")]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-            policy.check(policy.GRPOSection(**{**ok.__dict__, **change}))
+            grpo.check(grpo.GRPOSection(**{**ok.__dict__, **change}))
 
 
 @CONFIGS

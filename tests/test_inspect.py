@@ -10,7 +10,7 @@ from helpers import REPO, TINY
 from llmtrain.data import IGNORE
 from llmtrain.data.__main__ import _parts, config_class, main
 from llmtrain.data.formats import RowPart, Rows
-from llmtrain.losses.preference import DPOConfig
+from llmtrain.recipes.dpo import DPOConfig
 
 DPO_YAML = REPO / "configs" / "demo-dpo.yaml"
 TOKENIZER = f"tokenizer.path={REPO / 'assets' / 'tokenizer'}"

@@ -16,6 +16,7 @@ from llmtrain.config import ConfigError, DataConfig
 from llmtrain.data.formats import DEFAULT_CHAT_TEMPLATE, IGNORE, BadRecord, prepare_tokenizer
 from llmtrain.data.preference import Pair, collate_pairs, encode_preference, truncate
 from llmtrain.losses import preference as pl
+from llmtrain.recipes import dpo
 
 TOKENIZER = REPO / "assets" / "tokenizer"
 BOS, EOS, EOT = 0, 1, 5
@@ -270,11 +271,11 @@ def test_any_split_gives_the_loss_metrics_and_gradients_of_the_whole_batch(tok, 
 
 def test_loss_settings_are_checked_naming_the_key():
     """Combinations of dpo.* keys; each key's range is load_config's (tests/test_config.py)."""
-    pl.check("simpo", 0.1, 0.5, False)
-    pl.check("ipo", 0.0, 0.0, True)
+    dpo.check("simpo", 0.1, 0.5, False)
+    dpo.check("ipo", 0.0, 0.0, True)
     for args, key in [(("dpo", 0.0, 0.0), "dpo.loss"), (("ipo", 0.1, 0.0), "dpo.label_smoothing"),
                       (("sigmoid", 0.0, 0.5), "dpo.gamma")]:
         with pytest.raises(ConfigError, match=key):
-            pl.check(*args, False)
+            dpo.check(*args, False)
     with pytest.raises(ConfigError, match="dpo.precompute_reference"):  # simpo has no reference
-        pl.check("simpo", 0.0, 0.0, True)
+        dpo.check("simpo", 0.0, 0.0, True)

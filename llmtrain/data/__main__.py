@@ -5,27 +5,25 @@
 Prints rendered rows with the trained-on tokens marked (green on a terminal, [[...]] otherwise): every part of a
 row as its rows kind names them (data.FORMATS' Rows.parts: a packed row; a preference pair's prompt, chosen and
 rejected), token counts, truncation and packing statistics; --json prints a machine-readable summary. The
-config's class is the recipe's whose own sections (dpo:, grpo:) the file or the overrides set: the Config
-subclasses, which live with their losses in llmtrain.losses."""
+config's class is the recipe's (llmtrain.recipes.RECIPES) whose own sections (dpo:, grpo:) the file or the
+overrides set."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import itertools
 import json
-import pkgutil
 import sys
 from pathlib import Path
 
 import yaml
 
-from llmtrain import losses
 from llmtrain.config import Config, ConfigError, load_config, parse_overrides
 from llmtrain.data import IGNORE, build, check, plural, rows_kind
 from llmtrain.data.formats import RowPart, Rows
 from llmtrain.models.hf import load_tokenizer
+from llmtrain.recipes import RECIPES
 
 def render(ids: list[int], labels: list[int], tokenizer, colour: bool) -> str:
     """Row text with the spans that carry a loss marked."""
@@ -43,14 +41,12 @@ def _sections(config_path: str | None, overrides: list[str]) -> set[str]:
 
 
 def config_class(config_path: str | None, overrides: list[str]) -> type[Config]:
-    """Config when the file sets no section of a recipe's own; else the recipe's Config subclass (found among
-    llmtrain.losses' modules) that has every section the file sets."""
+    """Config when the file sets no section of a recipe's own; else the recipe's config class that has every
+    section the file sets."""
     own = _sections(config_path, overrides) - {f.name for f in dataclasses.fields(Config)}
     if not own:
         return Config
-    for module in pkgutil.iter_modules(losses.__path__):
-        importlib.import_module(f"llmtrain.losses.{module.name}")
-    for cls in Config.__subclasses__():
+    for cls in (r.config_cls for r in RECIPES.values()):
         if own <= {f.name for f in dataclasses.fields(cls)}:
             return cls
     raise ConfigError(f"{config_path}: no recipe's config has the section(s) {', '.join(sorted(own))} "
@@ -59,7 +55,7 @@ def config_class(config_path: str | None, overrides: list[str]) -> type[Config]:
 
 def _own_sections() -> set[str]:
     base = {f.name for f in dataclasses.fields(Config)}
-    return {f.name for cls in Config.__subclasses__() for f in dataclasses.fields(cls)} - base
+    return {f.name for r in RECIPES.values() for f in dataclasses.fields(r.config_cls)} - base
 
 
 def _parts(kind: Rows, row: dict) -> list[RowPart]:

@@ -43,96 +43,16 @@ largest of high-clipped ones (clip_ratio/high_max), as TRL's nanmin / nanmax. Re
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-from llmtrain.config import Config, ConfigError, ranged
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
 METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 EXTREMES = ("clip_ratio/low_min", "clip_ratio/high_max")  # over completions: reduced with MIN, not summed
 STD_EPS = 1e-4  # TRL's: A = (r - mean) / (std + 1e-4)
-
-
-@dataclass
-class GRPOSection:
-    num_generations: int = ranged("[2, inf)", default=8)
-    """G: completions sampled per prompt (>= 2); a group's advantages are relative to its own mean."""
-    max_completion_length: int = ranged("[1, inf)", default=256)
-    """Tokens sampled per completion at most; also dr_grpo's constant denominator."""
-    temperature: float = ranged("(0, inf)", default=1.0)
-    """Sampling temperature; the log-probs of the loss use the same (logits / temperature, as TRL)."""
-    top_p: float = ranged("(0, 1]", default=1.0)
-    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1: off)."""
-    top_k: int = ranged("[0, inf)", default=0)
-    """Keep the top_k most likely tokens only (0: off)."""
-    epsilon: float = ranged("[0, 1)", default=0.2)
-    """Lower clipping bound of the ratio: 1 - epsilon."""
-    epsilon_high: float | None = ranged("[0, inf)", default=None)
-    """Upper clipping bound: 1 + epsilon_high (None: epsilon; DAPO's clip-higher uses 0.28)."""
-    beta: float = ranged("[0, inf)", default=0.0)
-    """KL penalty to the reference model (k3 estimator); 0 builds no reference."""
-    use_bias_correction_kl: bool = True
-    """beta > 0: multiply the per-token KL by the importance ratio (TRL 1.16's default, DeepSeek-V3.2)."""
-    num_iterations: int = ranged("[1, inf)", default=1)
-    """Updates per generation batch (mu); > 1 takes the ratio against the log-probs at sampling time."""
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
-    """How per-token losses are aggregated (llmtrain/losses/policy.py's docstring): grpo (mean per completion,
-    then over completions) | bnpo, dapo (mean over the global batch's tokens) | dr_grpo (sum / (completions x
-    max_completion_length))."""
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    """Advantage scaling: divide by the group's reward std (group), the batch's (batch) or not at all (none,
-    Dr. GRPO's recommendation)."""
-    mask_truncated_completions: bool = False
-    """Leave completions that reached max_completion_length without an EOS out of the loss (DAPO)."""
-    reward_funcs: list[str] = field(default_factory=list)
-    """Reward functions, "package.module:function" or "path/to/file.py:function", each called as TRL does:
-    f(prompts, completions, completion_ids, **columns) -> list[float | None]. Built-ins:
-    llmtrain.rewards:exact_answer, llmtrain.rewards:format_regex."""
-    reward_weights: list[float] = ranged("[0, inf)", default_factory=list)
-    """One weight per reward function (empty: all 1); a penalty is a function returning negative rewards."""
-
-
-@dataclass
-class GRPOConfig(Config):
-    """recipes/grpo.py's Config: the shared sections plus grpo:."""
-    grpo: GRPOSection = field(default_factory=GRPOSection)
-
-
-def check(section: GRPOSection) -> None:
-    """Set-up checks, naming the grpo.* keys."""
-    s = section
-    if s.num_generations < 2:
-        raise ConfigError("grpo.num_generations must be >= 2 (advantages are relative to the group's mean)")
-    for key in ("max_completion_length", "num_iterations"):
-        if getattr(s, key) < 1:
-            raise ConfigError(f"grpo.{key} must be >= 1")
-    if s.temperature <= 0:
-        raise ConfigError("grpo.temperature must be > 0")
-    if not 0 < s.top_p <= 1:
-        raise ConfigError("grpo.top_p must be in (0, 1]")
-    if s.top_k < 0:
-        raise ConfigError("grpo.top_k must be >= 0 (0: off)")
-    if not 0 <= s.epsilon < 1:
-        raise ConfigError("grpo.epsilon must be in [0, 1)")
-    if s.epsilon_high is not None and s.epsilon_high < 0:
-        raise ConfigError("grpo.epsilon_high must be >= 0")
-    if s.beta < 0:
-        raise ConfigError("grpo.beta must be >= 0")
-    if s.loss_type not in LOSS_TYPES:
-        raise ConfigError(f"grpo.loss_type: {s.loss_type!r} is not a valid choice; choose one of "
-                          f"{', '.join(LOSS_TYPES)}")
-    if s.scale_rewards not in SCALE_REWARDS:
-        raise ConfigError(f"grpo.scale_rewards: {s.scale_rewards!r} is not a valid choice; choose one of "
-                          f"{', '.join(SCALE_REWARDS)}")
-    if not s.reward_funcs:
-        raise ConfigError("grpo.reward_funcs: name at least one reward function, e.g. [llmtrain.rewards:exact_answer]")
-    if s.reward_weights and len(s.reward_weights) != len(s.reward_funcs):
-        raise ConfigError(f"grpo.reward_weights: {len(s.reward_weights)} weights for {len(s.reward_funcs)} "
-                          "grpo.reward_funcs; give one per function")
 
 
 def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:

@@ -18,13 +18,11 @@ rewards/margins, logps/chosen, logps/rejected, each a mean over pairs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from llmtrain.config import Config, ConfigError, ranged
 from llmtrain.distributed import all_reduce
 from llmtrain.data.formats import IGNORE
 from llmtrain.losses.token import next_token_targets, token_logps  # noqa: F401  (token_logps: from full logits, here too)
@@ -33,44 +31,6 @@ LOSSES = ("sigmoid", "ipo", "simpo")
 REFERENCE_FREE = {"simpo"}
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
-
-
-@dataclass
-class DPOSection:
-    loss: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"
-    """sigmoid: DPO (Rafailov 2023) | ipo: IPO (Azar 2023, per-token normalised) | simpo: SimPO (Meng 2024),
-    reference-free."""
-    beta: float = ranged("(0, inf)", default=0.1)
-    """Strength of the pull towards the reference (sigmoid, ipo); SimPO's reward scale."""
-    label_smoothing: float = ranged("[0, 0.5)", default=0.0)
-    """sigmoid / simpo: assumed probability that a pair's labels are flipped (conservative DPO); in [0, 0.5)."""
-    gamma: float = ranged("[0, inf)", default=0.0)
-    """simpo: target reward margin."""
-    sft_weight: float = ranged("[0, inf)", default=0.0)
-    """Adds sft_weight x the chosen responses' mean token NLL to the loss (keeps their likelihood up)."""
-    precompute_reference: bool = False
-    """sigmoid, ipo: score every training pair with the reference once before training, cached next to the
-    tokenized data and reused by later runs; training then holds no reference model (less memory, no reference
-    forward per step)."""
-
-
-@dataclass
-class DPOConfig(Config):
-    """recipes/dpo.py's Config: the shared sections plus dpo:."""
-    dpo: DPOSection = field(default_factory=DPOSection)
-
-
-def check(loss: str, label_smoothing: float, gamma: float, precompute_reference: bool) -> None:
-    """Set-up checks across dpo.* keys (each key's own range is load_config's: DPOSection's ranged fields)."""
-    if loss not in LOSSES:
-        raise ConfigError(f"dpo.loss: {loss!r} is not a valid choice; choose one of {', '.join(LOSSES)}")
-    if label_smoothing and loss == "ipo":
-        raise ConfigError("dpo.label_smoothing applies to dpo.loss=sigmoid or simpo, not ipo")
-    if gamma and loss != "simpo":
-        raise ConfigError("dpo.gamma (the target reward margin) applies to dpo.loss=simpo only")
-    if precompute_reference and loss in REFERENCE_FREE:
-        raise ConfigError(f"dpo.precompute_reference: dpo.loss={loss} uses no reference model, so there is nothing "
-                          "to precompute; set dpo.precompute_reference=false")
 
 
 def sequence_logps(flat_logps: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,8 +93,8 @@ def metrics(summed: torch.Tensor, pairs: int) -> dict[str, float]:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches, pair_logps, device: torch.device,
-             section: DPOSection) -> dict[str, float]:
+def evaluate(model: torch.nn.Module, batches, pair_logps, device: torch.device, loss: str, beta: float,
+             label_smoothing: float, gamma: float, sft_weight: float) -> dict[str, float]:
     """The training objective and METRICS over every rank's validation pairs, as global means whatever the
     world size: {"val_loss", "val_rewards/chosen", ...}. pair_logps(batch) -> (policy log-probs, lengths,
     reference log-probs or None) per row. Collective: every rank passes as many batches (eval_batches)."""
@@ -146,10 +106,9 @@ def evaluate(model: torch.nn.Module, batches, pair_logps, device: torch.device,
         logps, lengths, ref = pair_logps(batch)  # every rank runs the forwards, even on a filler batch
         if (batch["labels"] == IGNORE).all():  # eval_batches' filler for a rank out of pairs: no pair in it
             continue
-        sums = preference_sums(logps, lengths, ref, section.loss, section.beta, section.label_smoothing,
-                               section.gamma)
+        sums = preference_sums(logps, lengths, ref, loss, beta, label_smoothing, gamma)
         totals += torch.cat([torch.stack([sums.loss, sums.nll]), pair_counts(batch["labels"]), sums.metrics]).double()
     all_reduce(totals)
     model.train(was_training)
-    loss = objective(PairSums(totals[0], totals[1], totals[4:]), totals[2:4], section.sft_weight)
-    return {"val_loss": loss.item(), **{f"val_{k}": v for k, v in metrics(totals[4:], int(totals[2])).items()}}
+    val_loss = objective(PairSums(totals[0], totals[1], totals[4:]), totals[2:4], sft_weight)
+    return {"val_loss": val_loss.item(), **{f"val_{k}": v for k, v in metrics(totals[4:], int(totals[2])).items()}}

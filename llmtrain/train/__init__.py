@@ -1,3 +1,3 @@
-"""The recipes' shared body: recipe (the Recipe base class a recipe subclasses), cli (command line, checks,
-exit codes), build (policy, optimizer, checkpoints, metrics, data, reference, export), step (the one
-micro-batch accumulation, taking an Objective) and loop (the step loop)."""
+"""The recipes' shared body (llmtrain.recipes.base.Recipe drives it): cli (command line, checks, exit codes),
+build (policy, optimizer, checkpoints, metrics, data, reference, export), step (the one micro-batch
+accumulation, taking an Objective) and loop (the step loop)."""

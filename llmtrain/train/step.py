@@ -1,7 +1,7 @@
 """The one micro-batch loop every recipe's step goes through: the step's denominators all-reduced before any
 forward, then per micro-batch the recipe's objective under autocast, gradient sync on the last one only,
 scaling so that the gradients are those of the global mean, backward; then clipping and the update (skipped
-when non-finite). What is the recipe's own is its Objective."""
+when non-finite). What is the recipe's own is its Objective (llmtrain.recipes: sft's TokenObjective, ...)."""
 
 from __future__ import annotations
 
@@ -94,20 +94,3 @@ def update(s: Stepper, loss: float) -> tuple[float, bool]:
     s.opt.zero_grad(set_to_none=True)
     return grad_norm, ok
 
-
-class TokenObjective:
-    """Supervised fine-tuning's objective: the token-weighted cross-entropy, Σ token losses / global trained
-    tokens, through the recipe's TokenLoss (chunked, full or liger)."""
-
-    def __init__(self, token_loss):
-        self.token_loss = token_loss
-
-    def counts(self, batch: dict) -> torch.Tensor:
-        return torch.zeros(0, dtype=torch.long, device=batch["labels"].device)
-
-    def share(self, model: nn.Module, batch: dict, totals: torch.Tensor) -> Share:
-        loss_sum = self.token_loss.loss_sum(model, batch)
-        return Share(loss_sum / totals[0].clamp(min=1), loss_sum.detach().reshape(1))
-
-    def report(self, metrics: torch.Tensor, totals: torch.Tensor) -> tuple[float, dict]:
-        return metrics[0].item() / max(int(totals[0]), 1), {}

@@ -9,14 +9,7 @@ TINY = REPO / "tests" / "tiny.yaml"
 
 
 def recipe_configs() -> list[type]:
-    """Every recipe's config class: Config and its subclasses, which live with their losses in llmtrain.losses
-    (dpo.* in preference.py, grpo.* in policy.py), so no test needs to load a recipe as a module."""
-    import importlib
-    import pkgutil
+    """Every recipe's config class (llmtrain.recipes.RECIPES), the shared Config first."""
+    from llmtrain.recipes import RECIPES
 
-    from llmtrain import losses
-    from llmtrain.config import Config
-
-    for module in pkgutil.iter_modules(losses.__path__):
-        importlib.import_module(f"llmtrain.losses.{module.name}")
-    return [Config, *Config.__subclasses__()]
+    return list(dict.fromkeys(r.config_cls for r in RECIPES.values()))

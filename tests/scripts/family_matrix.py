@@ -23,7 +23,8 @@ from llmtrain.losses.token import TokenLoss  # noqa: E402
 from llmtrain.models import hf as model_lib  # noqa: E402
 from llmtrain.models.build import build_model  # noqa: E402
 from llmtrain.models.names import clean_name  # noqa: E402
-from llmtrain.train.step import Stepper, TokenObjective, accumulate  # noqa: E402
+from llmtrain.recipes.sft import TokenObjective  # noqa: E402
+from llmtrain.train.step import Stepper, accumulate  # noqa: E402
 
 STRATEGIES = ["ddp", "fsdp", "fsdp2"]
 STEPS, ROWS, SEQ, SPLIT = 3, 4, 32, 20  # global batch ROWS rows of two packed documents (SPLIT + SEQ - SPLIT)

@@ -1,5 +1,6 @@
-"""The shape of a recipe. A recipe is a Recipe subclass that says only what is its own: its config class
-(a Config subclass with its section), the kind of data rows it trains on, its set-up checks, the state of its
+"""The shape of a recipe. A recipe is a Recipe subclass (one module or package of llmtrain.recipes each, named
+in llmtrain.recipes.RECIPES) that says only what is its own: its name, its config class (a Config subclass
+with its section), the kind of data rows it trains on, its set-up checks, the state of its
 own that checkpoints carry, its extra models and its objective (built in setup: a reference, a teacher; an
 llmtrain.train.step.Objective, or a whole `step` when one optimizer step is more than one accumulation) and
 its eval. Everything else (command line, model, optimizer, data, checkpoints, resume,
@@ -8,6 +9,7 @@ preemption, loop, export) is llmtrain.train's, the same for every recipe:
     class MyRecipe(Recipe):
         config_cls = MyConfig
         ...
+    # recipes/my.py, the script users run:
     if __name__ == "__main__":
         distributed.hard_exit(MyRecipe().main())
 """
@@ -25,6 +27,7 @@ from llmtrain.train.step import Objective, StepResult, accumulate
 
 
 class Recipe:
+    name: str             # what checkpoints record as the recipe (resume.identity); RECIPES' key
     config_cls: type[Config] = Config
     usage: str = ""
     rows: str = "tokens"  # the data kind it trains on (data.FORMATS[...].rows): "tokens" or "pairs"
@@ -76,7 +79,7 @@ class Recipe:
 
     # -- the shared body ---------------------------------------------------------------------------
     def train(self, cfg: Config, env) -> nn.Module:
-        run = build(cfg, env, type(self).__name__.lower(), self.registered(cfg))
+        run = build(cfg, env, self.name, self.registered(cfg))
         built, steps = self.steps(run)
         try:
             self.setup(run, built)
