@@ -141,7 +141,7 @@ def hf_state(model: nn.Module, strategy: Strategy, device: torch.device,
              lora_section: LoraConfig | None = None) -> dict[str, torch.Tensor]:
     """Collective: the model by its Hugging Face names, on rank 0's CPU ({} on the other ranks); with
     lora_section (enabled), the adapters merged into the base (a QLoRA base dequantized first)."""
-    state = strategy.full_state_dict(model, device)
+    state = strategy.full_weights(model, device)
     if lora_section is None or not state:
         return state
     return lora.merged_state({k: nf4.dequantized(v) for k, v in state.items()}, lora_section)
@@ -168,7 +168,7 @@ def export_lora(model: nn.Module, strategy: Strategy, device: torch.device, outp
     lora.export says; returns what was written."""
     written_dirs, main = [], dist.get_rank() == 0
     if section.export in ("adapter", "both"):
-        adapters = strategy.full_state_dict(model, device, trainable_only=True)
+        adapters = strategy.full_weights(model, device, trainable_only=True)
         out = output_dir / "adapter" / step_dir
         written((lambda: write_adapter(adapters, out, section, base_path)) if main else None, out,
                 _bytes(adapters, torch.float32), wait_minutes)

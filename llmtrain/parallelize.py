@@ -1,8 +1,11 @@
 """parallelize(): one entry that applies, in a fixed order, one small function per technique:
 activation checkpointing -> compile -> the strategy's wrap. A Strategy (one subclass per name: none, ddp,
-fsdp, fsdp2) holds everything else that differs between them: how weights are loaded, how the full state dict
-is gathered, gradient-sync suppression, clipping, autocast and loss scaling, and how a frozen copy is wrapped.
-Nothing outside this module asks which strategy runs: it calls the Strategy's methods."""
+fsdp, fsdp2) holds everything else that differs between them: how weights are loaded, weight access (the full
+weights gathered for an export: full_weights; every weight gathered for decoding: unsharded; a parameter
+swapped after wrapping: param_slots / reseat), gradient-sync suppression, clipping, autocast and loss
+scaling, and how a frozen copy is wrapped. Nothing outside this module asks which strategy runs, nor reads
+a wrapper's private attributes: it calls the Strategy's methods (holding() finds the strategy of a bare
+wrapped model)."""
 
 from __future__ import annotations
 
@@ -142,14 +145,30 @@ class Strategy:
         model_lib.load_slices(model, path, config, seed, adapters or {})
         release_freed_memory()
 
-    def full_state_dict(self, model: nn.Module, device: torch.device,
-                        trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    def full_weights(self, model: nn.Module, device: torch.device,
+                     trainable_only: bool = False) -> dict[str, torch.Tensor]:
         """Collective (it gathers shards): the model's full state dict on rank 0's CPU ({} on other ranks)."""
         state = get_model_state_dict(model, options=StateDictOptions(
             full_state_dict=True, cpu_offload=self.offloads_full_state(device), ignore_frozen_params=trainable_only))
         if trainable_only:
             state = without_frozen(model, state)
         return {k: v.detach().cpu() for k, v in state.items()} if dist.get_rank() == 0 else {}
+
+    @contextlib.contextmanager
+    def unsharded(self, model: nn.Module):
+        """-> (module to call, lockstep): every weight gathered for the block when the strategy allows it
+        (decoding: many small forwards); lockstep True when each forward is still collective (FSDP1), so every
+        rank must run as many."""
+        yield model, False
+
+    def param_slots(self, model: nn.Module) -> dict[str, object]:
+        """{clean name: the wrapper's hold on that parameter} for parameters a caller may swap after wrapping
+        (models.nf4); {} when the wrapper keeps no such hold (setattr on the module is enough)."""
+        return {}
+
+    def reseat(self, slot: object, param: nn.Parameter, whole: bool) -> None:
+        """After setattr put `param` in place of the parameter param_slots gave `slot` for: the wrapper holds
+        `param` (whole: the rank holds all of it, nothing to gather)."""
 
     def describe(self, model: nn.Module) -> str:
         """What was wrapped, for the start-up log: e.g. `ddp: whole model (2 x LlamaDecoderLayer)`."""
@@ -170,7 +189,7 @@ class Strategy:
         return torch.amp.GradScaler(device.type)
 
     def offloads_full_state(self, device: torch.device) -> bool:
-        """Whether full_state_dict gathers onto rank 0's CPU only (else every rank gathers a copy on the way)."""
+        """Whether full_weights gathers onto rank 0's CPU only (else every rank gathers a copy on the way)."""
         return True
 
     def frozen(self) -> Strategy:
@@ -194,6 +213,10 @@ class DDP(Strategy):
         materialize(model, device)
         # DDP broadcasts rank 0's (still uninitialised) parameters; load() then fills every rank alike.
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    @contextlib.contextmanager
+    def unsharded(self, model):
+        yield model.module, False  # DDP's forward would broadcast buffers at every step
 
     def no_sync(self, model):
         return model.no_sync()
@@ -247,6 +270,12 @@ class FSDP1(Sharded):
         release_freed_memory()
         return wrapped
 
+    @contextlib.contextmanager
+    def unsharded(self, model):
+        # FSDP1's forward gathers each unit at every step, even inside summon_full_params (its nested units still
+        # all-gather: measured, a rank running more forwards than another hangs): lockstep.
+        yield model, True
+
     def no_sync(self, model):
         return model.no_sync()
 
@@ -291,6 +320,57 @@ class FSDP2(Sharded):
     def frozen(self):
         return FSDP2(trained=False)
 
+    @contextlib.contextmanager
+    def unsharded(self, model):
+        # Every unit unsharded once and kept so across the forwards (decoding then runs no collective, so ranks
+        # stop at their own last token): reshard_after_forward off for the block, then the units' own settings
+        # back (FSDP2 offers a setter but no getter: its param groups hold them), resharded at the end.
+        units = _fsdp2_units(model)
+        saved = [(u._get_fsdp_state(), [(g, g.post_forward_mesh_info) for g in u._get_fsdp_state()._fsdp_param_groups])
+                 for u in units]
+        autos = [state._auto_reshard_after_forward for state, _ in saved]
+        for unit in units:
+            unit.set_reshard_after_forward(False, recurse=False)
+            unit.unshard()
+        try:
+            yield model, False
+        finally:
+            for (state, groups), auto in zip(saved, autos):
+                state._auto_reshard_after_forward = auto
+                for group, info in groups:
+                    group.post_forward_mesh_info = info
+            for unit in units:
+                unit.reshard()
+
+    def param_slots(self, model):
+        """{clean name: (FSDPParam, its FSDPParamGroup)} for the parameters fully_shard manages."""
+        names = {id(m): n for n, m in model.named_modules()}
+        out = {}
+        for module in _fsdp2_units(model):
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                for fp in group.fsdp_params:
+                    owner, attr = names[id(fp._module_info.module)], fp._module_info.param_name
+                    out[clean_name(f"{owner}.{attr}" if owner else attr)] = fp, group
+        return out
+
+    def reseat(self, slot, param, whole):
+        fsdp_param, param_group = slot
+        if whole:
+            # A shard group of one rank (fsdp2 on 1 process, HSDP with parallel.replicate = world size) holds the
+            # weight whole, with nothing to gather: torch 2.13's FSDP2 then copies the first all-gather input
+            # only (FSDPParamGroup.wait_for_unshard's world-size-1 path), which breaks a tensor subclass with
+            # several (NF4: data, scales, factors). Such a weight leaves FSDP2's management and stays a plain
+            # tensor, as under none/ddp (frozen: no gradient to reduce).
+            param_group.fsdp_params.remove(fsdp_param)
+            return
+        # FSDP2 learns a parameter's all-gather extension (fsdp_pre/post_all_gather) when fully_shard runs, on
+        # the meta model, before the weights exist; torch 2.13 has no public way to change it afterwards. Point
+        # it at the new shard (even: no padding) as reset_sharded_param would after load_state_dict(assign=True)
+        # - which itself cannot compare an NF4 shard's storage - and find the hooks.
+        fsdp_param.sharded_param = param
+        fsdp_param._sharded_param_data = param.to_local().view(-1)
+        fsdp_param._init_extensions()
+
     def no_sync(self, model):
         model.set_requires_gradient_sync(False)
         return _restore_sync(model)
@@ -316,6 +396,29 @@ class FSDP2(Sharded):
 
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (Unwrapped(), DDP(), FSDP1(), FSDP2())}
+
+
+def holding(model: nn.Module) -> Strategy:
+    """The strategy whose wrapper holds `model` (for code handed a bare model: sampling, NF4)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        return STRATEGIES["ddp"]
+    if isinstance(model, FullyShardedDataParallel):
+        return STRATEGIES["fsdp"]
+    return STRATEGIES["fsdp2"] if _fsdp2_units(model) else STRATEGIES["none"]
+
+
+def unsharded(model: nn.Module) -> contextlib.AbstractContextManager:
+    """holding(model).unsharded(model): -> (module to call, lockstep) for decoding (Strategy.unsharded)."""
+    return holding(model).unsharded(model)
+
+
+def _fsdp2_units(model: nn.Module) -> list[nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
 def without_frozen(model: nn.Module, state: dict) -> dict:

@@ -4,6 +4,7 @@ imports it back. The graph comes from parsing every module's import statements (
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "llmtrain"
@@ -60,3 +61,19 @@ def test_llmtrain_imports_run_one_way():
 
 def test_the_cycle_check_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c"]
+
+
+# FSDP's private attributes (FSDP2's state and param groups, its FSDPParam internals): read or written only
+# by llmtrain/parallelize.py, where the Strategy owns weight access.
+FSDP_PRIVATE = re.compile(r"\._(?:fsdp\w*|get_fsdp_state|auto_reshard_after_forward|sharded_param_data|"
+                          r"init_extensions|module_info)\b")
+
+
+def test_fsdp_private_attributes_only_in_parallelize():
+    allowed = PACKAGE / "parallelize.py"
+    found = [f"{path.relative_to(PACKAGE.parent)}:{i}: {line.strip()}"
+             for root in (PACKAGE, PACKAGE.parent / "recipes") for path in sorted(root.rglob("*.py"))
+             if path != allowed for i, line in enumerate(path.read_text().splitlines(), 1)
+             if FSDP_PRIVATE.search(line)]
+    assert found == []
+    assert FSDP_PRIVATE.search(allowed.read_text())  # the pattern finds what parallelize.py does use

@@ -26,7 +26,7 @@ scales and fp32 factors are the whole weight's, the factor repeated: the same va
 more fp32 factors. Only rows or blocks that do not split evenly over the ranks (a weight of 30 rows on 4 ranks)
 leave that weight in full precision on that run, with a warning naming it: 2-D weights of real models split.
 A shard group of one rank (fsdp2 on one process, HSDP with one shard per replica) holds its weights whole
-outside FSDP2 (_release: torch 2.13's one-rank unshard copies one all-gather input, NF4 has three).
+outside FSDP2 (Strategy.reseat: torch 2.13's one-rank unshard copies one all-gather input, NF4 has three).
 
 Why torchao and not bitsandbytes: NF4Tensor is plain PyTorch (the CPU tests run the GPU code path), it
 implements FSDP2's all-gather extension and shards as a DTensor whose local piece stays 4-bit; bitsandbytes'
@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from llmtrain import parallelize
 from llmtrain.config import ConfigError, LoraConfig
 from llmtrain.models.hf import decoder_layers
 from llmtrain.models.names import base_name, clean_name
@@ -143,7 +144,8 @@ def quantize_(model: nn.Module, section: LoraConfig) -> Report:
     if not chosen.quantized:
         return report
     owners = _owners(model)
-    fsdp_params = _fsdp_params(model)
+    strategy = parallelize.holding(model)
+    slots = strategy.param_slots(model)  # fsdp2: its hold on each parameter, pointed at the NF4 one below
     for name, scaler in chosen.quantized.items():
         module, attr = owners[name]
         weight = getattr(module, attr)
@@ -163,8 +165,8 @@ def quantize_(model: nn.Module, section: LoraConfig) -> Report:
             new = q
         param = nn.Parameter(new, requires_grad=False)
         setattr(module, attr, param)
-        if name in fsdp_params:
-            (_release if alone else _adopt)(*fsdp_params[name], param)
+        if name in slots:
+            strategy.reseat(slots[name], param, whole=alone)
         del weight, local
         report.weights += 1
         report.params += q.numel()
@@ -237,41 +239,6 @@ def _quantize_local(local: torch.Tensor, block: int, scaler: int, group: dist.Pr
 def _lut(like: torch.Tensor) -> torch.Tensor:
     """The 16 NF4 code values, as torchao builds them (a 2-element quantization keeps only its table)."""
     return _torchao().to_nf4(torch.ones(2, dtype=like.dtype, device=like.device), 2, 1).nf4
-
-
-def _fsdp_params(model: nn.Module) -> dict[str, object]:
-    """{clean name: (FSDP2's FSDPParam, its FSDPParamGroup)} for the parameters fully_shard manages."""
-    from torch.distributed.fsdp import FSDPModule
-
-    names = {id(m): n for n, m in model.named_modules()}
-    out = {}
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        for group in module._get_fsdp_state()._fsdp_param_groups:
-            for fp in group.fsdp_params:
-                owner, attr = names[id(fp._module_info.module)], fp._module_info.param_name
-                out[clean_name(f"{owner}.{attr}" if owner else attr)] = fp, group
-    return out
-
-
-def _adopt(fsdp_param, param_group, param: nn.Parameter) -> None:
-    """FSDP2 learns a parameter's all-gather extension (fsdp_pre/post_all_gather) when fully_shard runs, on
-    the meta model, before the weights exist; torch 2.13 has no public way to change it afterwards. Point it
-    at the NF4 shard (even: _shard_group made sure, so there is no padding) as reset_sharded_param would after
-    load_state_dict(assign=True) - which itself cannot compare an NF4 shard's storage - and find the hooks."""
-    fsdp_param.sharded_param = param
-    fsdp_param._sharded_param_data = param.to_local().view(-1)
-    fsdp_param._init_extensions()
-
-
-def _release(fsdp_param, param_group, param: nn.Parameter) -> None:
-    """A shard group of one rank (fsdp2 on 1 process, HSDP with parallel.replicate = world size) holds the
-    weight whole, with nothing to gather: torch 2.13's FSDP2 then copies the first all-gather input only
-    (FSDPParamGroup.wait_for_unshard's world-size-1 path), which breaks NF4's three (data, scales, factors).
-    Such a weight leaves FSDP2's management and stays a plain NF4Tensor, as under none/ddp (frozen: no
-    gradient to reduce)."""
-    param_group.fsdp_params.remove(fsdp_param)
 
 
 def nbytes(t: torch.Tensor) -> int:

@@ -7,21 +7,16 @@ not on the world size, the rank, the other rows of its batch, the micro-batch sp
 logits may differ in the last bits between batch layouts; a token flips only when a uniform falls
 within that distance of a boundary of the cumulative distribution.)
 
-One gather of the weights per call, a KV cache for decoding:
-  none, ddp  the module itself (DDP's forward would broadcast buffers at every step)
-  fsdp2      every FSDP unit unsharded once (unshard) and kept so across the forwards, resharded at
-             the end: decoding then runs no collective, so ranks stop at their own last token
-  fsdp       FSDP1's forward gathers each unit at every step, even inside summon_full_params (its nested
-             units still all-gather: measured, a rank running more forwards than another hangs), so
-             every rank runs the same number of forwards (a finished rank feeds padding) until every
-             rank is done, agreed by a one-int all-reduce per step
+One gather of the weights per call (the strategy's: parallelize.Strategy.unsharded), a KV cache for
+decoding: none, ddp and fsdp2 decode on the gathered module without a collective, so ranks stop at their own
+last token; under fsdp each forward is still collective (lockstep), so every rank runs the same number of
+forwards (a finished rank feeds padding) until every rank is done, agreed by a one-int all-reduce per step.
 
 Rows: prompts left-padded with an attention mask; finished rows keep decoding padding (masked).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -32,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmtrain.data.formats import IGNORE
+from llmtrain.parallelize import unsharded as gathered  # (module to call, lockstep): the strategy's gather
 
 
 @dataclass(frozen=True)
@@ -89,45 +85,6 @@ def pick(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     cdf = logits.float().softmax(-1).double().cumsum(-1)
     token = torch.searchsorted(cdf, (u.to(cdf.device) * cdf[:, -1])[:, None], right=True)
     return token.squeeze(1).clamp(max=logits.shape[-1] - 1)
-
-
-def _fsdp2_units(model: nn.Module) -> list:
-    from torch.distributed.fsdp import FSDPModule
-
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
-@contextlib.contextmanager
-def gathered(model: nn.Module):
-    """-> (module to call, lockstep): every weight gathered for the block when the strategy allows it;
-    lockstep True when each forward is still collective (FSDP1)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-    from torch.nn.parallel import DistributedDataParallel
-
-    if isinstance(model, DistributedDataParallel):
-        yield model.module, False
-    elif isinstance(model, FullyShardedDataParallel):
-        yield model, True
-    elif units := _fsdp2_units(model):
-        # Keep every unit unsharded across the forwards: reshard_after_forward off for the block, then the
-        # units' own settings back (FSDP2 offers a setter but no getter: its param groups hold them).
-        saved = [(u._get_fsdp_state(), [(g, g.post_forward_mesh_info) for g in u._get_fsdp_state()._fsdp_param_groups])
-                 for u in units]
-        autos = [state._auto_reshard_after_forward for state, _ in saved]
-        for unit in units:
-            unit.set_reshard_after_forward(False, recurse=False)
-            unit.unshard()
-        try:
-            yield model, False
-        finally:
-            for (state, groups), auto in zip(saved, autos):
-                state._auto_reshard_after_forward = auto
-                for group, info in groups:
-                    group.post_forward_mesh_info = info
-            for unit in units:
-                unit.reshard()
-    else:
-        yield model, False
 
 
 @torch.no_grad()

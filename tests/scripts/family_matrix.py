@@ -59,7 +59,7 @@ def run(family_dir: Path, strategy: str, env, out: Path) -> dict:
     ref_buffers = {name: b for name, b in reference.named_buffers()}
     buffer_diff = torch.tensor(max(max_diff(b, ref_buffers[clean_name(n)]) for n, b in model.named_buffers()))
     result["buffer_diff"] = distributed.all_reduce(buffer_diff, dist.ReduceOp.MAX).item()
-    full = plan.strategy.full_state_dict(model, env.device)
+    full = plan.strategy.full_weights(model, env.device)
     if env.is_main:
         ref_state = reference.state_dict()
         assert full.keys() <= ref_state.keys(), sorted(full.keys() - ref_state.keys())
