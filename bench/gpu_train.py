@@ -50,18 +50,19 @@ def random_data_recipe():
     """recipes/finetune.py's objective on random tokens (RandomSteps), without the export."""
     from llmtrain.recipes.base import Recipe
     from llmtrain.recipes.sft import TokenObjective
+    from llmtrain.train.source import DataSource
 
     class RandomData(Recipe):
         name = "finetune"
         usage = __doc__
         final_export = False
 
-        def steps(self, run):
+        def source(self, run):
             cfg = run.cfg
             micro, accum = cfg.train.micro_batch_size, cfg.train.grad_accum_steps
-            return None, RandomSteps(len(run.tokenizer), cfg.data.seq_len, micro, accum,
-                                     cfg.train.seed + run.env.rank, run.state.data.get("samples_seen", 0),
-                                     run.global_batch)
+            return None, DataSource(RandomSteps(len(run.tokenizer), cfg.data.seq_len, micro, accum,
+                                                cfg.train.seed + run.env.rank,
+                                                run.state.data.get("samples_seen", 0), run.global_batch))
 
         def setup(self, run, built):
             super().setup(run, built)

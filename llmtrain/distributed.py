@@ -196,6 +196,20 @@ def all_reduce(value: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> to
     return value
 
 
+def gather_rows(t: torch.Tensor) -> torch.Tensor:
+    """Every rank's equal-sized rows of `t`, in rank order (an all-gather every rank must call)."""
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return torch.cat(parts)
+
+
+def gather_objects(obj) -> list:
+    """Every rank's picklable `obj`, in rank order (an all-gather every rank must call)."""
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, obj)
+    return parts
+
+
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

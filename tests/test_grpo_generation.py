@@ -18,7 +18,8 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 from helpers import REPO
 from helpers.procs import launch
 from llmtrain.data.formats import IGNORE
-from llmtrain.rollout.local import Completions, Sampling, filter_logits, generate, pick, sample_seed, training_rows
+from llmtrain.rollout.local import Completions, Sampling, filter_logits, generate, pick, sample_seed
+from llmtrain.rollout.rows import training_rows
 from llmtrain.losses.token import next_token_targets
 
 VOCAB, EOS, PAD = 16, [2, 3], 0

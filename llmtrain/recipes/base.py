@@ -1,10 +1,10 @@
 """The shape of a recipe. A recipe is a Recipe subclass (one module or package of llmtrain.recipes each, named
 in llmtrain.recipes.RECIPES) that says only what is its own: its name, its config class (a Config subclass
-with its section), the kind of data rows it trains on, its set-up checks, the state of its
-own that checkpoints carry, its extra models and its objective (built in setup: a reference, a teacher; an
-llmtrain.train.step.Objective, or a whole `step` when one optimizer step is more than one accumulation) and
-its eval. Everything else (command line, model, optimizer, data, checkpoints, resume,
-preemption, loop, export) is llmtrain.train's, the same for every recipe:
+with its section), the kind of data rows it trains on, its set-up checks, its extra models and its
+objective (built in setup: a reference, a teacher; an llmtrain.train.step.Objective), its batch source
+(llmtrain.train.source: the data's micro-batches by default; GRPO's rollouts) with the name its state is
+checkpointed under, if it has any, and its eval. Everything else (command line, model, optimizer, data,
+checkpoints, resume, preemption, loop, export) is llmtrain.train's, the same for every recipe:
 
     class MyRecipe(Recipe):
         config_cls = MyConfig
@@ -22,8 +22,9 @@ from llmtrain import data
 from llmtrain.config import Config, ConfigError
 from llmtrain.models import hf
 from llmtrain.train import cli, loop
-from llmtrain.train.build import Registered, Run, build, data_steps
-from llmtrain.train.step import Objective, StepResult, accumulate
+from llmtrain.train.build import Registered, Run, build, build_data, data_source
+from llmtrain.train.source import BatchSource, Held
+from llmtrain.train.step import Objective
 
 
 class Recipe:
@@ -56,22 +57,21 @@ class Recipe:
                               f"this recipe trains on {self.rows}: set {fitting} (recipes/finetune.py trains on "
                               "token rows, recipes/dpo.py on pairs)")
 
+    def source_state(self, cfg: Config) -> str | None:
+        """The name the batch source's state_dict() is checkpointed under (state/<name>.json); None: it keeps
+        nothing beyond its position (TrainState.data)."""
+        return None
+
     # -- once the process group exists -------------------------------------------------------------
-    def registered(self, cfg: Config) -> list[Registered]:
-        """State of the recipe's own that every checkpoint carries and a resume restores."""
-        return []
+    def source(self, run: Run) -> tuple[data.Built | None, BatchSource]:
+        """The data and where each step's micro-batches come from: by default this rank's share of the data's
+        global batch."""
+        built = build_data(run, self.unit)
+        return built, data_source(run, built)
 
-    def setup(self, run: Run, built: data.Built) -> None:
-        """Extra models, the objective and anything else the step needs, once the policy and the data exist."""
+    def setup(self, run: Run, built: data.Built | None) -> None:
+        """Extra models, the objective and anything else the steps need, once the policy and the data exist."""
         self.run = run
-
-    def steps(self, run: Run) -> tuple[data.Built, object]:
-        """The data and the iterator of the steps' batches (by default this rank's micro-batches of rows)."""
-        return data_steps(run, self.unit)
-
-    def step(self, batches: list[dict]) -> StepResult:
-        """One optimizer step; by default one accumulation over the micro-batches of the recipe's objective."""
-        return accumulate(self.run.stepper, batches, self.objective)
 
     def evaluate(self, at_step: int) -> dict:
         """Validation metrics at eval.every_steps (a collective); {} logs nothing."""
@@ -79,11 +79,12 @@ class Recipe:
 
     # -- the shared body ---------------------------------------------------------------------------
     def train(self, cfg: Config, env) -> nn.Module:
-        run = build(cfg, env, self.name, self.registered(cfg))
-        built, steps = self.steps(run)
+        name, held = self.source_state(cfg), Held()
+        run = build(cfg, env, self.name, [Registered(name, held)] if name else [])
+        built, source = self.source(run)
         try:
             self.setup(run, built)
-            return loop.loop(run, steps, self.step, self.evaluate, self.final_export)
+            return loop.loop(run, held.hand_to(source), self.objective, self.evaluate, self.final_export)
         finally:
             # What setup kept (the run, its model, a reference) goes with the run, before the process group
             # does: freed after it, DDP's reducer destroys the group itself and joins a gloo thread that waits

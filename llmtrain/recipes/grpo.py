@@ -1,12 +1,13 @@
 """Online RL with verifiable rewards (recipes/grpo.py): GRPO, DAPO, Dr. GRPO.
 
-What is this recipe's own (docs/grpo.md): the grpo: section; the step's prompts (data.format: prompt; every
-rank gets all of them, the same for grpo.num_iterations steps); and the step: sample the completions
-(llmtrain.rollout.local, keyed by (seed, generation batch, prompt, generation index)), score them
-(llmtrain.rewards), group-relative advantages over every rank's rewards, then the clipped surrogate
-(llmtrain.losses.policy) through the shared accumulation, num_iterations times on the same completions.
-The generation batch is registered state with num_iterations > 1, so a resume in its middle continues on
-the same completions and sampling-time log-probs. The rest is llmtrain.train's (llmtrain/recipes/base.py).
+What is this recipe's own (docs/grpo.md): the grpo: section; its batch source, Rollouts: the step's prompts
+(data.format: prompt; every rank gets all of them, the same for grpo.num_iterations steps) -> an engine's
+completions (llmtrain.rollout: the local engine, keyed by (seed, generation batch, prompt, generation index))
+-> rewards (llmtrain.rewards) -> group-relative advantages over every rank's rewards -> training rows; and its
+objective, the clipped surrogate (llmtrain.losses.policy), num_iterations times on the same completions. With
+num_iterations > 1 the generation batch is the source's checkpointed state, so a resume in its middle
+continues on the same completions and sampling-time log-probs. The rest is the shared body's
+(llmtrain/recipes/base.py).
 """
 
 from __future__ import annotations
@@ -18,18 +19,21 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-import torch.distributed as dist
+from torch.distributed import ReduceOp
 
-from llmtrain import distributed, rewards
+from llmtrain import data, distributed, rewards
 from llmtrain.config import Config, ConfigError, ranged
 from llmtrain.data import IGNORE
 from llmtrain.losses import policy
 from llmtrain.losses.token import next_token_targets
 from llmtrain.models import hf as model_lib
 from llmtrain.recipes.base import Recipe
-from llmtrain.rollout import local as generation
-from llmtrain.train.build import Registered, data_steps, reference
-from llmtrain.train.step import Share, accumulate
+from llmtrain.rollout.engine import Engine, LocalEngine
+from llmtrain.rollout.local import Sampling
+from llmtrain.rollout.rows import micro_batches
+from llmtrain.train.build import Reference, Run, build_data, reference
+from llmtrain.train.source import Batch
+from llmtrain.train.step import Share
 
 USAGE = """\
 GRPO / DAPO / Dr. GRPO with DDP, FSDP or FSDP2 on GPUs (NCCL) or CPUs (gloo).
@@ -148,19 +152,183 @@ class PromptSteps:
                 "iteration": self.iteration}
 
 
-class Generated:
-    """The generation batch that the next updates reuse (num_iterations > 1), every rank's, JSON-able:
-    completion token ids, truncation, advantages, sampling-time and reference log-probs of the trained
-    tokens, the batch's metrics."""
+def keep(batch: dict) -> torch.Tensor:
+    """The trained tokens of a micro-batch of training rows (a completion's, up to and including its EOS)."""
+    return next_token_targets(batch["labels"]) != IGNORE
 
-    def __init__(self):
-        self.state: dict = {}
+
+class PolicyObjective:
+    """The clipped surrogate as sums over a micro-batch's completions / the step's completions and tokens."""
+
+    def __init__(self, section: GRPOSection, token_loss):
+        self.section, self.token_loss = section, token_loss
+
+    def counts(self, batch: dict) -> torch.Tensor:
+        return policy.policy_counts(keep(batch))
+
+    def share(self, model, batch: dict, totals: torch.Tensor) -> Share:
+        g, trained = self.section, keep(batch)
+        logps = policy.to_grid(self.token_loss.token_logps(model, batch, g.temperature), trained)
+        sums = policy.policy_sums(logps, trained, batch["advantages"], batch.get("old_logps"),
+                                  batch.get("ref_logps"), g.loss_type, g.epsilon, g.epsilon_high, g.beta,
+                                  g.use_bias_correction_kl)
+        part = policy.objective(sums, totals[1:], g.loss_type, g.max_completion_length)
+        return Share(part, torch.cat([part.detach().reshape(1), sums.metrics]))
+
+    def report(self, metrics: torch.Tensor, totals: torch.Tensor) -> tuple[float, dict]:
+        return metrics[0].item(), policy.metrics(metrics[1:], None, int(totals[2]), self.section.beta)
+
+
+class Rollouts:
+    """GRPO's batch source: per generation batch, this rank's completions of the step's prompts from the engine,
+    rewards, group-relative advantages over every rank's rewards, and the training rows (with the sampling-time
+    log-probs when num_iterations > 1, the reference's when beta > 0), reused num_iterations times. Its state
+    (num_iterations > 1) is the generation batch, every rank's, JSON-able: completion token ids, truncation,
+    advantages, sampling-time and reference log-probs of the trained tokens, the batch's metrics."""
+
+    def __init__(self, run: Run, prompts: PromptSteps, engine: Engine, sampling: Sampling, funcs: list,
+                 ref: Reference | None, pad: int):
+        self.run, self.section, self.prompts, self.engine = run, run.cfg.grpo, prompts, engine
+        self.sampling, self.funcs, self.ref, self.pad = sampling, funcs, ref, pad
+        self.held: dict = {}
+        self.micro, self.metrics = None, {}
+
+    # -- BatchSource ------------------------------------------------------------------------------
+    def next(self) -> Batch:
+        prompts, index = next(self.prompts)[0], self.run.state.step // self.section.num_iterations
+        t0 = time.perf_counter()
+        if self.micro is None or self.held.get("step") != index:
+            restored = self.held.get("step") == index
+            self.micro, self.metrics = self.restore(prompts) if restored else self.generate(prompts, index)
+        return Batch(self.micro, self.metrics, time.perf_counter() - t0)
+
+    def position(self) -> dict:
+        return self.prompts.position()
 
     def state_dict(self) -> dict:
-        return self.state
+        return self.held
 
     def load_state_dict(self, state: dict) -> None:
-        self.state = state
+        self.held = state
+
+    # -- a generation batch -----------------------------------------------------------------------
+    def mine(self) -> range:
+        """This rank's completions in the step's global order (prompt-major: prompt c // G, generation c % G)."""
+        per_rank = self.run.cfg.train.micro_batch_size * self.run.cfg.train.grad_accum_steps
+        return range(self.run.env.rank * per_rank, (self.run.env.rank + 1) * per_rank)
+
+    def generate(self, prompts: dict, index: int) -> tuple[list[dict], dict]:
+        run, g, env = self.run, self.section, self.run.env
+        G, rows = g.num_generations, self.mine()
+        self.engine.update_weights(run.state.step)
+        prompt_index = [int(prompts["prompt_index"][c // G]) for c in rows]
+        out = self.engine.generate([prompts["prompt_ids"][c // G] for c in rows],
+                                   [(run.cfg.train.seed, index, p, c % G) for p, c in zip(prompt_index, rows)],
+                                   self.sampling)
+        texts = run.tokenizer.batch_decode(out.tokens, skip_special_tokens=True)
+        chat = [isinstance(prompts["prompts"][c // G], list) for c in rows]
+        completions = [[{"role": "assistant", "content": t}] if is_chat else t for t, is_chat in zip(texts, chat)]
+        columns = [prompts["columns"][c // G] for c in rows]
+        names = sorted({k for c in columns for k in c})
+        per_func = self.score([prompts["prompts"][c // G] for c in rows], completions, out.tokens,
+                              {k: [c.get(k) for c in columns] for k in names}, prompt_index)
+        lengths = torch.tensor([len(t) for t in out.tokens])
+        every = lambda t: distributed.gather_rows(t.to(env.device)).cpu()  # noqa: E731
+        scores, all_lengths, truncated = every(per_func), every(lengths), every(torch.tensor(out.truncated).long())
+        adv = policy.group_advantages(scores, g.reward_weights, G, g.scale_rewards)
+        generated = distributed.all_reduce(lengths.sum().to(env.device)).item()
+        seconds = distributed.all_reduce(torch.tensor(out.seconds, device=env.device), ReduceOp.MAX).item()
+        metrics = {**policy.reward_metrics(scores, [f.name for f in self.funcs], adv),
+                   "completions/mean_length": all_lengths.float().mean().item(),
+                   "completions/min_length": all_lengths.min().item(),
+                   "completions/max_length": all_lengths.max().item(),
+                   "completions/clipped_ratio": truncated.float().mean().item(),
+                   "generation_s": seconds, "generated_tokens_per_s": generated / max(seconds, 1e-9)}
+        micro = self.batches(prompts, out.tokens, out.truncated, adv.advantages[rows.start:rows.stop].tolist())
+        old = self.set_logps(micro, "old_logps", self.sampled_logps(micro, out.logps)) if out.logps else None
+        ref = self.set_logps(micro, "ref_logps", self.reference_logps(micro)) if self.ref else None
+        every_n = run.cfg.log.completions_every_steps
+        if every_n and index % every_n == 0:
+            self.log_completions(rows, prompt_index, prompts, texts, out.tokens, out.truncated, per_func, adv,
+                                 run.state.step + 1)
+        if g.num_iterations > 1:  # every rank's part, for a checkpoint in the middle of the batch
+            parts = distributed.gather_objects((out.tokens, out.truncated, old, ref))
+            self.held = {"step": index, "advantages": adv.advantages.tolist(), "metrics": metrics,
+                         **{k: sum((p[i] for p in parts), []) if parts[0][i] is not None else None
+                            for i, k in enumerate(("completions", "truncated", "old", "ref"))}}
+        return micro, metrics
+
+    def restore(self, prompts: dict) -> tuple[list[dict], dict]:
+        """A resume in the middle of a generation batch: this rank's micro-batches from the checkpoint's."""
+        held, rows = self.held, self.mine()
+        part = {k: held[k][rows.start:rows.stop] if held[k] is not None else None
+                for k in ("completions", "truncated", "advantages", "old", "ref")}
+        micro = self.batches(prompts, part["completions"], part["truncated"], part["advantages"])
+        n = self.run.cfg.train.micro_batch_size
+        for i, b in enumerate(micro):
+            for key, name in (("old", "old_logps"), ("ref", "ref_logps")):
+                if part[key] is not None:
+                    flat = torch.tensor(sum(part[key][i * n:(i + 1) * n], []), device=b["labels"].device)
+                    b[name] = policy.to_grid(flat, keep(b))
+        return micro, held["metrics"]
+
+    def score(self, prompts, completions, tokens, columns, prompt_index) -> torch.Tensor:
+        """[completions, functions] rewards; a reward function's failure on any rank stops every rank with its
+        one line (rewards.RewardError: exit 1), before anything of this step is saved."""
+        error, per_func = None, None
+        try:
+            per_func = torch.tensor(rewards.score(self.funcs, prompts, completions, tokens, columns, prompt_index),
+                                    dtype=torch.float64)
+        except rewards.RewardError as e:
+            error = str(e)
+        if failed := next((e for e in distributed.gather_objects(error) if e), None):
+            raise rewards.RewardError(failed)
+        return per_func
+
+    def batches(self, prompts: dict, tokens: list[list[int]], truncated: list[bool],
+                advantages: list[float]) -> list[dict]:
+        """This rank's micro-batches of training rows (prompt + completion) with their advantages."""
+        g, n, rows, device = self.section, self.run.cfg.train.micro_batch_size, self.mine(), self.run.env.device
+        ids = [prompts["prompt_ids"][c // g.num_generations] for c in rows]
+        micro = micro_batches(ids, tokens, truncated, self.pad, n, g.mask_truncated_completions, device)
+        return [{**b, "advantages": torch.tensor(advantages[i * n:(i + 1) * n], device=device)}
+                for i, b in enumerate(micro)]
+
+    def sampled_logps(self, micro: list[dict], logps: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The engine's log-probs of each micro-batch's trained tokens, flat (a completion left out of the loss,
+        grpo.mask_truncated_completions, has none)."""
+        n = self.run.cfg.train.micro_batch_size
+        return [torch.cat([lp for lp, trained in zip(logps[i * n:(i + 1) * n], keep(b).any(1)) if trained])
+                for i, b in enumerate(micro)]
+
+    def reference_logps(self, micro: list[dict]) -> list[torch.Tensor]:
+        """The reference's log-probs of each micro-batch's trained tokens, flat (beta > 0: the KL term)."""
+        t = self.section.temperature
+        return [self.ref.logps(lambda model, token_loss: token_loss.token_logps(model, b, t)) for b in micro]
+
+    @staticmethod
+    def set_logps(micro: list[dict], name: str, flats: list[torch.Tensor]) -> list[list[float]]:
+        """Each micro-batch's flat log-probs as its [rows, tokens] grid under `name`; -> per completion lists
+        (the generation batch's state)."""
+        out = []
+        for b, flat in zip(micro, flats):
+            b[name] = policy.to_grid(flat, keep(b))
+            out += [row[k].tolist() for row, k in zip(b[name], keep(b))]
+        return out
+
+    def log_completions(self, rows, prompt_index, prompts, texts, tokens, truncated, per_func, adv, step) -> None:
+        """The first LOGGED_PROMPTS prompts' completions, their rewards and advantages -> completions.jsonl."""
+        G, names = self.section.num_generations, [f.name for f in self.funcs]
+        records = [{"step": step, "prompt_index": p, "generation": c % G, "prompt": prompts["prompts"][c // G],
+                    "completion": text, "tokens": len(ids), "truncated": cut,
+                    "rewards": {n: None if v != v else v for n, v in zip(names, scores.tolist())},
+                    "reward": float(adv.rewards[c]), "advantage": float(adv.advantages[c])}
+                   for c, p, text, ids, cut, scores in zip(rows, prompt_index, texts, tokens, truncated, per_func)
+                   if c // G < LOGGED_PROMPTS]
+        parts = distributed.gather_objects(records)
+        if self.run.env.is_main:
+            with open(Path(self.run.cfg.output_dir) / "completions.jsonl", "a") as f:
+                f.writelines(json.dumps(r) + "\n" for part in parts for r in part)
 
 
 class GRPO(Recipe):
@@ -178,192 +346,33 @@ class GRPO(Recipe):
             raise ConfigError("train.loss_impl: recipes/grpo.py takes chunked (the default) or full; liger yields "
                               "no per-token log-probs")
 
-    def registered(self, cfg: GRPOConfig) -> list[Registered]:
-        self.generated = Generated()
-        return [Registered("grpo_generation", self.generated)] if cfg.grpo.num_iterations > 1 else []
+    def source_state(self, cfg: GRPOConfig) -> str | None:
+        return "grpo_generation" if cfg.grpo.num_iterations > 1 else None
 
-    def steps(self, run):
-        g = run.cfg.grpo
+    def source(self, run) -> tuple[data.Built, Rollouts]:
+        g, tok, cfg = run.cfg.grpo, run.tokenizer, run.cfg
         if run.global_batch % g.num_generations:
             raise ConfigError(f"train.micro_batch_size x train.grad_accum_steps x {run.env.world_size} ranks = "
                               f"{run.global_batch} completions per step must be a multiple of "
                               f"grpo.num_generations = {g.num_generations}")
-        built, prompts = data_steps(run, self.unit, rows_per_step=run.global_batch // g.num_generations)
-        return built, PromptSteps(prompts, g.num_iterations, run.state.data)
+        built = build_data(run, self.unit)
+        funcs = rewards.load_all(g.reward_funcs)
+        eos = model_lib.stop_ids(run.model_config.eos_token_id, tok)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+        ref = reference(run) if g.beta else None
+        run.metrics.info(f"grpo: {run.global_batch // g.num_generations} prompts x {g.num_generations} completions "
+                         f"per step, loss {g.loss_type}, beta {g.beta:g}"
+                         f"{f' (reference: {ref.kind})' if ref else ''}, "
+                         f"{g.num_iterations} update(s) per generation batch, rewards "
+                         f"{', '.join(f.spec for f in funcs)}, EOS ids {eos}")
+        # Every rank gets the step's whole batch of prompts (global batch / G) and samples its share of completions.
+        steps = data.make_steps(built, run.global_batch // g.num_generations, 1, 1, 0, cfg.train.seed, run.env.device,
+                                run.state.data)
+        engine = LocalEngine(run.model, run.autocast, eos, pad, run.env.device, run.token_loss.token_logps,
+                             cfg.train.micro_batch_size if g.num_iterations > 1 else 0)
+        return built, Rollouts(run, PromptSteps(steps, g.num_iterations, run.state.data), engine,
+                               Sampling(g.max_completion_length, g.temperature, g.top_p, g.top_k), funcs, ref, pad)
 
     def setup(self, run, built) -> None:
         super().setup(run, built)
-        g, tok = run.cfg.grpo, run.tokenizer
-        self.section, self.objective, self.micro = g, self, None
-        self.funcs = rewards.load_all(g.reward_funcs)
-        self.eos = model_lib.stop_ids(run.model_config.eos_token_id, tok)
-        self.pad = tok.pad_token_id if tok.pad_token_id is not None else self.eos[0]
-        self.sampling = generation.Sampling(g.max_completion_length, g.temperature, g.top_p, g.top_k)
-        self.reference = reference(run) if g.beta else None
-        run.metrics.info(f"grpo: {run.global_batch // g.num_generations} prompts x {g.num_generations} completions "
-                         f"per step, loss {g.loss_type}, beta {g.beta:g}"
-                         f"{f' (reference: {self.reference.kind})' if self.reference else ''}, "
-                         f"{g.num_iterations} update(s) per generation batch, rewards "
-                         f"{', '.join(f.spec for f in self.funcs)}, EOS ids {self.eos}")
-
-    # -- the step ---------------------------------------------------------------------------------
-    def step(self, batches: list[dict]):
-        run, g = self.run, self.section
-        prompts, index = batches[0], run.state.step // g.num_iterations
-        if self.micro is None or self.generated.state.get("step") != index:
-            held = self.generated.state if self.generated.state.get("step") == index else None
-            self.micro, metrics = self.restore(prompts, held) if held else self.generate(prompts, index)
-            self.metrics = metrics
-        result = accumulate(run.stepper, self.micro, self)
-        return result._replace(extra={**self.metrics, **result.extra}, rows=self.micro)
-
-    def mine(self) -> range:
-        """This rank's completions in the step's global order (prompt-major: prompt c // G, generation c % G)."""
-        per_rank = self.run.cfg.train.micro_batch_size * self.run.cfg.train.grad_accum_steps
-        return range(self.run.env.rank * per_rank, (self.run.env.rank + 1) * per_rank)
-
-    def generate(self, prompts: dict, index: int) -> tuple[list[dict], dict]:
-        run, g, env = self.run, self.section, self.run.env
-        G, rows = g.num_generations, self.mine()
-        prompt_index = [int(prompts["prompt_index"][c // G]) for c in rows]
-        ids = [prompts["prompt_ids"][c // G] for c in rows]
-        t0 = time.perf_counter()
-        with run.autocast():
-            out = generation.generate(run.model, ids, [(run.cfg.train.seed, index, p, c % G)
-                                                       for p, c in zip(prompt_index, rows)],
-                                      self.sampling, self.eos, self.pad, env.device)
-        seconds = time.perf_counter() - t0
-        tokens = [r[:n] for r, n in zip(out.ids.tolist(), out.lengths.tolist())]
-        texts = run.tokenizer.batch_decode(tokens, skip_special_tokens=True)
-        chat = [isinstance(prompts["prompts"][c // G], list) for c in rows]
-        completions = [[{"role": "assistant", "content": t}] if is_chat else t for t, is_chat in zip(texts, chat)]
-        columns = [prompts["columns"][c // G] for c in rows]
-        names = sorted({k for c in columns for k in c})
-        per_func = self.score([prompts["prompts"][c // G] for c in rows], completions, tokens,
-                              {k: [c.get(k) for c in columns] for k in names}, prompt_index)
-        every = lambda t: gather_rows(t.to(env.device)).cpu()  # noqa: E731
-        scores, lengths, truncated = every(per_func), every(out.lengths), every(out.truncated.long())
-        adv = policy.group_advantages(scores, g.reward_weights, G, g.scale_rewards)
-        generated = distributed.all_reduce(out.lengths.sum().to(env.device)).item()
-        seconds = distributed.all_reduce(torch.tensor(seconds, device=env.device), dist.ReduceOp.MAX).item()
-        metrics = {**policy.reward_metrics(scores, [f.name for f in self.funcs], adv),
-                   "completions/mean_length": lengths.float().mean().item(),
-                   "completions/min_length": lengths.min().item(), "completions/max_length": lengths.max().item(),
-                   "completions/clipped_ratio": truncated.float().mean().item(),
-                   "generation_s": seconds, "generated_tokens_per_s": generated / max(seconds, 1e-9)}
-        advantages = adv.advantages[rows.start:rows.stop].tolist()
-        micro = self.batches(prompts, tokens, out.truncated.tolist(), advantages)
-        old, ref = self.score_logps(micro)
-        every_n = run.cfg.log.completions_every_steps
-        if every_n and index % every_n == 0:
-            self.log_completions(rows, prompt_index, prompts, texts, tokens, out.truncated.tolist(), per_func,
-                                 adv, run.state.step + 1)
-        if g.num_iterations > 1:  # every rank's part, for a checkpoint in the middle of the batch
-            parts = [None] * env.world_size
-            dist.all_gather_object(parts, (tokens, out.truncated.tolist(), old, ref))
-            self.generated.state = {"step": index, "advantages": adv.advantages.tolist(), "metrics": metrics,
-                                    **{k: sum((p[i] for p in parts), []) if parts[0][i] is not None else None
-                                       for i, k in enumerate(("completions", "truncated", "old", "ref"))}}
-        return micro, metrics
-
-    def restore(self, prompts: dict, held: dict) -> tuple[list[dict], dict]:
-        """A resume in the middle of a generation batch: this rank's micro-batches from the checkpoint's."""
-        rows = self.mine()
-        part = {k: held[k][rows.start:rows.stop] if held[k] is not None else None
-                for k in ("completions", "truncated", "advantages", "old", "ref")}
-        micro = self.batches(prompts, part["completions"], part["truncated"], part["advantages"])
-        n = self.run.cfg.train.micro_batch_size
-        for i, b in enumerate(micro):
-            for key, name in (("old", "old_logps"), ("ref", "ref_logps")):
-                if part[key] is not None:
-                    flat = torch.tensor(sum(part[key][i * n:(i + 1) * n], []), device=b["labels"].device)
-                    b[name] = policy.to_grid(flat, self.keep(b))
-        return micro, held["metrics"]
-
-    def score(self, prompts, completions, tokens, columns, prompt_index) -> torch.Tensor:
-        """[completions, functions] rewards; a reward function's failure on any rank stops every rank with its
-        one line (rewards.RewardError: exit 1), before anything of this step is saved."""
-        error, per_func = None, None
-        try:
-            per_func = torch.tensor(rewards.score(self.funcs, prompts, completions, tokens, columns, prompt_index),
-                                    dtype=torch.float64)
-        except rewards.RewardError as e:
-            error = str(e)
-        errors = [None] * self.run.env.world_size
-        dist.all_gather_object(errors, error)
-        if failed := next((e for e in errors if e), None):
-            raise rewards.RewardError(failed)
-        return per_func
-
-    def batches(self, prompts: dict, tokens: list[list[int]], truncated: list[bool],
-                advantages: list[float]) -> list[dict]:
-        """This rank's micro-batches of training rows (prompt + completion) with their advantages."""
-        g, n, rows = self.section, self.run.cfg.train.micro_batch_size, self.mine()
-        ids = [prompts["prompt_ids"][c // g.num_generations] for c in rows]
-        out = []
-        for i in range(0, len(rows), n):
-            done = generation.from_lists(tokens[i:i + n], truncated[i:i + n], self.pad)
-            b = generation.training_rows(ids[i:i + n], done, self.pad, g.mask_truncated_completions)
-            out.append({**{k: v.to(self.run.env.device) for k, v in b.items()},
-                        "advantages": torch.tensor(advantages[i:i + n], device=self.run.env.device)})
-        return out
-
-    def score_logps(self, micro: list[dict]) -> tuple[list | None, list | None]:
-        """Sampling-time log-probs (num_iterations > 1: the ratio's denominator) and the reference's (beta > 0)
-        of each micro-batch's trained tokens, set on the batches; -> per completion lists (for Generated)."""
-        run, g = self.run, self.section
-        kept = {}
-        for name, wanted, model_logps in (
-                ("old_logps", g.num_iterations > 1, lambda b: run.token_loss.token_logps(run.model, b, g.temperature)),
-                ("ref_logps", g.beta > 0, lambda b: self.reference.logps(
-                    lambda model, token_loss: token_loss.token_logps(model, b, g.temperature)))):
-            if not wanted:
-                continue
-            kept[name] = []
-            for b in micro:
-                with torch.no_grad(), run.autocast():
-                    b[name] = policy.to_grid(model_logps(b), self.keep(b))
-                kept[name] += [row[k].tolist() for row, k in zip(b[name], self.keep(b))]
-        return kept.get("old_logps"), kept.get("ref_logps")
-
-    def log_completions(self, rows, prompt_index, prompts, texts, tokens, truncated, per_func, adv, step) -> None:
-        """The first LOGGED_PROMPTS prompts' completions, their rewards and advantages -> completions.jsonl."""
-        G, names = self.section.num_generations, [f.name for f in self.funcs]
-        records = [{"step": step, "prompt_index": p, "generation": c % G, "prompt": prompts["prompts"][c // G],
-                    "completion": text, "tokens": len(ids), "truncated": cut,
-                    "rewards": {n: None if v != v else v for n, v in zip(names, scores.tolist())},
-                    "reward": float(adv.rewards[c]), "advantage": float(adv.advantages[c])}
-                   for c, p, text, ids, cut, scores in zip(rows, prompt_index, texts, tokens, truncated, per_func)
-                   if c // G < LOGGED_PROMPTS]
-        parts = [None] * self.run.env.world_size
-        dist.all_gather_object(parts, records)
-        if self.run.env.is_main:
-            with open(Path(self.run.cfg.output_dir) / "completions.jsonl", "a") as f:
-                f.writelines(json.dumps(r) + "\n" for part in parts for r in part)
-
-    # -- the objective: sums over a micro-batch's completions / the step's completions and tokens --------
-    @staticmethod
-    def keep(batch: dict) -> torch.Tensor:
-        return next_token_targets(batch["labels"]) != IGNORE
-
-    def counts(self, batch: dict) -> torch.Tensor:
-        return policy.policy_counts(self.keep(batch))
-
-    def share(self, model, batch: dict, totals: torch.Tensor) -> Share:
-        g, keep = self.section, self.keep(batch)
-        logps = policy.to_grid(self.run.token_loss.token_logps(model, batch, g.temperature), keep)
-        sums = policy.policy_sums(logps, keep, batch["advantages"], batch.get("old_logps"), batch.get("ref_logps"),
-                                  g.loss_type, g.epsilon, g.epsilon_high, g.beta, g.use_bias_correction_kl)
-        part = policy.objective(sums, totals[1:], g.loss_type, g.max_completion_length)
-        return Share(part, torch.cat([part.detach().reshape(1), sums.metrics]))
-
-    def report(self, metrics: torch.Tensor, totals: torch.Tensor) -> tuple[float, dict]:
-        return metrics[0].item(), policy.metrics(metrics[1:], None, int(totals[2]), self.section.beta)
-
-
-def gather_rows(t: torch.Tensor) -> torch.Tensor:
-    """Every rank's equal-sized rows, in rank order."""
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, t.contiguous())
-    return torch.cat(parts)
-
+        self.objective = PolicyObjective(run.cfg.grpo, run.token_loss)

@@ -26,7 +26,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from llmtrain.data.formats import IGNORE
 from llmtrain.parallelize import unsharded as gathered  # (module to call, lockstep): the strategy's gather
 
 
@@ -156,23 +155,3 @@ def _all_done(done: torch.Tensor, lockstep: bool, device: torch.device) -> bool:
     pending = (~done).any().long().reshape(1).to(device)
     dist.all_reduce(pending)
     return not pending.item()
-
-
-def training_rows(prompts: list[list[int]], completions: Completions, pad_id: int,
-                  mask_truncated: bool) -> dict[str, torch.Tensor]:
-    """The rows the loss scores (TokenLoss.token_logps): prompt + completion, right-padded, with
-    position_ids from 0 and labels = the completion's tokens (its EOS included), IGNORE elsewhere, and
-    for a truncated completion too when mask_truncated (grpo.mask_truncated_completions: it still counts
-    as a completion in grpo's and dr_grpo's denominators, as in TRL)."""
-    ids, mask = completions.ids.cpu(), completions.mask.cpu()
-    keep = mask & ~completions.truncated.cpu()[:, None] if mask_truncated else mask
-    width = max(len(p) for p in prompts) + ids.shape[1]
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    labels = torch.full_like(input_ids, IGNORE)
-    for i, p in enumerate(prompts):
-        n = int(mask[i].sum())
-        input_ids[i, :len(p)] = torch.tensor(p)
-        input_ids[i, len(p):len(p) + n] = ids[i, :n]
-        labels[i, len(p):len(p) + n] = ids[i, :n].masked_fill(~keep[i, :n], IGNORE)
-    return {"input_ids": input_ids, "labels": labels,
-            "position_ids": torch.arange(width).expand(len(prompts), -1).contiguous()}

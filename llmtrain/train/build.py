@@ -1,8 +1,8 @@
 """What every recipe builds before its first step, in order: preflight and the output_dir lock, the policy
 (models.build.build_model), optimizer, checkpoint manager with every registered state, resume, metrics logger;
-then its data steps; the reference a recipe may ask for; and the export at the end. Taking the whole Config
-(or a recipe's subclass) is this package's job: it is the recipes' shared body, and hands each library call
-its section."""
+then its data and the data's batch source; the reference a recipe may ask for; and the export at the end.
+Taking the whole Config (or a recipe's subclass) is this package's job: it is the recipes' shared body, and
+hands each library call its section."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from llmtrain.metrics import MetricsLogger
 from llmtrain.models import attention, lora
 from llmtrain.models import hf as model_lib
 from llmtrain.models.build import BuiltModel, build_model
+from llmtrain.train.source import DataSource
 from llmtrain.train.step import Stepper
 from llmtrain.utils import DTYPES
 
@@ -151,23 +152,23 @@ def _export_size(cfg: Config, policy: BuiltModel) -> int:
     return policy.n_params * DTYPES[cfg.checkpoint.export_dtype].itemsize
 
 
-def data_steps(run: Run, unit: str, rows_per_step: int | None = None):
-    """The data (one global order, whatever the world size or accumulation split; resumes at the saved
-    position) -> (data.Built, the step iterator). unit: what a row of the global batch is, for the log.
-    rows_per_step: every rank gets the step's whole global batch of that many rows as one batch (GRPO's
-    prompts, whose completions the ranks share out); None: this rank's micro-batches of the global batch."""
+def build_data(run: Run, unit: str) -> data.Built:
+    """The data (train and validation rows), logged; unit: what a row of the global batch is, for the log."""
     cfg, env = run.cfg, run.env
     built = data.build(cfg.data, run.tokenizer, cfg.train.seed, env.is_main, env.rank, env.world_size)
-    if rows_per_step is None:
-        steps = data.make_steps(built, cfg.train.micro_batch_size, cfg.train.grad_accum_steps, env.world_size,
-                                env.rank, cfg.train.seed, env.device, run.state.data)
-    else:
-        steps = data.make_steps(built, rows_per_step, 1, 1, 0, cfg.train.seed, env.device, run.state.data)
     run.metrics.info(f"data: {built.stats.summary()} | global batch {run.global_batch} {unit} of "
                      f"{cfg.data.seq_len} tokens")
     if built.stats.template_note:
         run.metrics.info(built.stats.template_note)
-    return built, steps
+    return built
+
+
+def data_source(run: Run, built: data.Built) -> DataSource:
+    """This rank's micro-batches of the global batches (one global order, whatever the world size or
+    accumulation split), from the saved position when resuming."""
+    cfg, env = run.cfg, run.env
+    return DataSource(data.make_steps(built, cfg.train.micro_batch_size, cfg.train.grad_accum_steps, env.world_size,
+                                      env.rank, cfg.train.seed, env.device, run.state.data))
 
 
 def export(run: Run, step_dir: str) -> list[Path]:

@@ -1,4 +1,5 @@
-"""The training loop every recipe shares, parameterized by the recipe's step function: step timing, the
+"""The training loop every recipe shares, parameterized by the recipe's batch source and objective (one
+accumulation per step, llmtrain.train.step): step timing, the
 lr schedule, train.on_nan, logging and throughput, the eval hook, checkpoints (due, timer, preemption),
 periodic and final exports."""
 
@@ -6,7 +7,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
@@ -15,15 +16,16 @@ from llmtrain import metrics as metrics_lib
 from llmtrain.metrics import Throughput
 from llmtrain.train.build import Run, export
 from llmtrain.train.harness import Harness
-from llmtrain.train.step import StepResult
+from llmtrain.train.source import BatchSource
+from llmtrain.train.step import Objective, accumulate
 
 
 class Preempted(Exception):
     """Saved after SIGTERM/SIGUSR1; exit with the requeue code."""
 
 
-def loop(run: Run, steps: Iterator[list[dict]], step: Callable[[list[dict]], StepResult],
-         evaluate: Callable[[int], dict] | None = None, final_export: bool = True) -> torch.nn.Module:
+def loop(run: Run, source: BatchSource, objective: Objective, evaluate: Callable[[int], dict] | None = None,
+         final_export: bool = True) -> torch.nn.Module:
     """Train from run.state.step to train.max_steps; `evaluate(step)` (its metrics are logged) at
     eval.every_steps. Returns the model."""
     cfg, env, state, metrics, ckpt = run.cfg, run.env, run.state, run.metrics, run.ckpt
@@ -37,11 +39,11 @@ def loop(run: Run, steps: Iterator[list[dict]], step: Callable[[list[dict]], Ste
     harness = Harness(cfg.eval.harness, cfg.lora)
     while state.step < cfg.train.max_steps:
         t0 = time.perf_counter()
-        batches = next(steps)
-        data_wait = time.perf_counter() - t0
+        batch = source.next()
+        data_wait = time.perf_counter() - t0 - batch.work_s
         lr = optim.lr_at(state.step, cfg.train, run.peak_lr)
         optim.set_lr(run.opt, lr)
-        result = step(batches)
+        result = accumulate(run.stepper, batch.micro, objective)
         if not result.ok and cfg.train.on_nan == "stop":
             raise FloatingPointError(f"non-finite loss ({result.loss}) or grad norm ({result.grad_norm}) at step "
                                      f"{state.step + 1}; stopped without saving this state "
@@ -50,12 +52,12 @@ def loop(run: Run, steps: Iterator[list[dict]], step: Callable[[list[dict]], Ste
         state.samples_seen += run.global_batch
         state.tokens_seen += result.n_tokens
         state.skipped_steps += not result.ok
-        state.data = steps.position()
-        perf.add(result.rows or batches, time.perf_counter() - t0 - data_wait)
+        state.data = source.position()
+        perf.add(batch.micro, time.perf_counter() - t0 - data_wait)
         metrics.step(result.loss, perf.last_tokens_per_sec)
         last = state.step == cfg.train.max_steps
         if state.step % cfg.log.every_steps == 0 or last:
-            metrics.log({"step": state.step, "loss": result.loss, **result.extra, "lr": lr,
+            metrics.log({"step": state.step, "loss": result.loss, **batch.metrics, **result.extra, "lr": lr,
                          "grad_norm": result.grad_norm, "trained_tokens": result.n_tokens,
                          "skipped_steps": state.skipped_steps, "data_wait_s": data_wait,
                          "elapsed_s": metrics.elapsed(),

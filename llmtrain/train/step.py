@@ -18,14 +18,12 @@ from llmtrain.parallelize import Plan, autocast, grad_sync
 
 class StepResult(NamedTuple):
     """What a step returns to the loop (llmtrain.train.loop): global loss, grad norm, trained tokens, whether
-    the update was applied, and the recipe's own metrics for the logged record (equal on every rank)."""
+    the update was applied, and the objective's metrics for the logged record (equal on every rank)."""
     loss: float
     grad_norm: float
     n_tokens: int
     ok: bool
     extra: dict = {}
-    rows: list | None = None  # the micro-batches trained on, for throughput, when not the step's data batches
-                              # (GRPO: the sampled completions, not the prompts)
 
 
 class Share(NamedTuple):
