@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from llmtrain.config import ConfigError
+from helpers import TINY
+from llmtrain.config import ConfigError, load_config
 from llmtrain.losses import policy
 from llmtrain.losses.token import TokenLoss
 from llmtrain.recipes import grpo
@@ -179,13 +180,16 @@ def test_group_advantages_and_reward_metrics_equal_numpy(scale):
 
 
 def test_grpo_section_checks_name_the_key():
+    """Each key's range is load_config's (GRPOSection's ranged fields); grpo.check has the combinations."""
     ok = grpo.GRPOSection(reward_funcs=["llmtrain.rewards:exact_answer"])
     grpo.check(ok)
     for change, key in [(dict(num_generations=1), "grpo.num_generations"),
                         (dict(max_completion_length=0), "grpo.max_completion_length"),
                         (dict(temperature=0.0), "grpo.temperature"), (dict(top_p=0.0), "grpo.top_p"),
-                        (dict(beta=-1.0), "grpo.beta"), (dict(num_iterations=0), "grpo.num_iterations"),
-                        (dict(reward_funcs=[]), "grpo.reward_funcs"),
+                        (dict(beta=-1.0), "grpo.beta"), (dict(num_iterations=0), "grpo.num_iterations")]:
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load_config(TINY, [f"{key}={v!r}" for v in change.values()], grpo.GRPOConfig)
+    for change, key in [(dict(reward_funcs=[]), "grpo.reward_funcs"),
                         (dict(reward_weights=[1.0, 2.0]), "grpo.reward_weights")]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             grpo.check(grpo.GRPOSection(**{**ok.__dict__, **change}))

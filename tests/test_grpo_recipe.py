@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -194,3 +195,18 @@ def test_missing_reward_function_exits_2_before_start(setup):
                      check=False)
     assert res.returncode == 2 and f"{spec!r}: " in res.stderr and "has no function 'nope'" in res.stderr
     assert not (tmp / "missing").exists()
+
+
+@pytest.mark.slow
+def test_groups_that_do_not_divide_the_step_exit_2_before_preflight(setup):
+    """The step's completions (micro x accumulation x ranks, the world size from torchrun's environment) must
+    be whole groups: checked at set-up, before the process group, preflight and the model."""
+    tmp, config = setup
+    out = tmp / "groups"
+    res = run_recipe(out, "parallel.strategy=ddp", "train.micro_batch_size=3", "train.grad_accum_steps=1",
+                     "distributed.preflight=true", nproc=2, config=config, script=GRPO, check=False)
+    # Each worker exits 2 (torchrun itself exits 1 when a worker fails, naming the workers' code).
+    assert res.returncode != 0 and re.search(r"exitcode\s*:\s*2\b", res.stderr), res.stderr[-2000:]
+    assert ("train.micro_batch_size x train.grad_accum_steps x 2 ranks = 6 completions per step must be a multiple "
+            "of grpo.num_generations = 4") in res.stderr
+    assert "preflight ok" not in res.stdout + res.stderr and not out.exists()

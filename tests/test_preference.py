@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from helpers import REPO
-from llmtrain.config import ConfigError, DataConfig
+from helpers import REPO, TINY
+from llmtrain.config import ConfigError, DataConfig, load_config
 from llmtrain.data.formats import DEFAULT_CHAT_TEMPLATE, IGNORE, BadRecord, prepare_tokenizer
 from llmtrain.data.preference import Pair, collate_pairs, encode_preference, truncate
 from llmtrain.losses import preference as pl
@@ -273,8 +273,9 @@ def test_loss_settings_are_checked_naming_the_key():
     """Combinations of dpo.* keys; each key's range is load_config's (tests/test_config.py)."""
     dpo.check("simpo", 0.1, 0.5, False)
     dpo.check("ipo", 0.0, 0.0, True)
-    for args, key in [(("dpo", 0.0, 0.0), "dpo.loss"), (("ipo", 0.1, 0.0), "dpo.label_smoothing"),
-                      (("sigmoid", 0.0, 0.5), "dpo.gamma")]:
+    with pytest.raises(ConfigError, match="dpo.loss"):  # a choice of the Literal: load_config's
+        load_config(TINY, ["dpo.loss=dpo"], dpo.DPOConfig)
+    for args, key in [(("ipo", 0.1, 0.0), "dpo.label_smoothing"), (("sigmoid", 0.0, 0.5), "dpo.gamma")]:
         with pytest.raises(ConfigError, match=key):
             dpo.check(*args, False)
     with pytest.raises(ConfigError, match="dpo.precompute_reference"):  # simpo has no reference

@@ -27,7 +27,6 @@ from llmtrain.distributed import all_reduce
 from llmtrain.data.formats import IGNORE
 from llmtrain.losses.token import next_token_targets, token_logps  # noqa: F401  (token_logps: from full logits, here too)
 
-LOSSES = ("sigmoid", "ipo", "simpo")
 REFERENCE_FREE = {"simpo"}
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")

@@ -63,8 +63,6 @@ class DPOConfig(Config):
 
 def check(loss: str, label_smoothing: float, gamma: float, precompute_reference: bool) -> None:
     """Set-up checks across dpo.* keys (each key's own range is load_config's: DPOSection's ranged fields)."""
-    if loss not in pl.LOSSES:
-        raise ConfigError(f"dpo.loss: {loss!r} is not a valid choice; choose one of {', '.join(pl.LOSSES)}")
     if label_smoothing and loss == "ipo":
         raise ConfigError("dpo.label_smoothing applies to dpo.loss=sigmoid or simpo, not ipo")
     if gamma and loss != "simpo":

@@ -100,36 +100,22 @@ class GRPOConfig(Config):
 
 
 def check(section: GRPOSection) -> None:
-    """Set-up checks, naming the grpo.* keys."""
-    s = section
-    if s.num_generations < 2:
-        raise ConfigError("grpo.num_generations must be >= 2 (advantages are relative to the group's mean)")
-    for key in ("max_completion_length", "num_iterations"):
-        if getattr(s, key) < 1:
-            raise ConfigError(f"grpo.{key} must be >= 1")
-    if s.temperature <= 0:
-        raise ConfigError("grpo.temperature must be > 0")
-    if not 0 < s.top_p <= 1:
-        raise ConfigError("grpo.top_p must be in (0, 1]")
-    if s.top_k < 0:
-        raise ConfigError("grpo.top_k must be >= 0 (0: off)")
-    if not 0 <= s.epsilon < 1:
-        raise ConfigError("grpo.epsilon must be in [0, 1)")
-    if s.epsilon_high is not None and s.epsilon_high < 0:
-        raise ConfigError("grpo.epsilon_high must be >= 0")
-    if s.beta < 0:
-        raise ConfigError("grpo.beta must be >= 0")
-    if s.loss_type not in policy.LOSS_TYPES:
-        raise ConfigError(f"grpo.loss_type: {s.loss_type!r} is not a valid choice; choose one of "
-                          f"{', '.join(policy.LOSS_TYPES)}")
-    if s.scale_rewards not in policy.SCALE_REWARDS:
-        raise ConfigError(f"grpo.scale_rewards: {s.scale_rewards!r} is not a valid choice; choose one of "
-                          f"{', '.join(policy.SCALE_REWARDS)}")
-    if not s.reward_funcs:
+    """Set-up checks across grpo.* keys (each key's own range and choices are load_config's: GRPOSection's
+    ranged and Literal fields)."""
+    if not section.reward_funcs:
         raise ConfigError("grpo.reward_funcs: name at least one reward function, e.g. [llmtrain.rewards:exact_answer]")
-    if s.reward_weights and len(s.reward_weights) != len(s.reward_funcs):
-        raise ConfigError(f"grpo.reward_weights: {len(s.reward_weights)} weights for {len(s.reward_funcs)} "
-                          "grpo.reward_funcs; give one per function")
+    if section.reward_weights and len(section.reward_weights) != len(section.reward_funcs):
+        raise ConfigError(f"grpo.reward_weights: {len(section.reward_weights)} weights for "
+                          f"{len(section.reward_funcs)} grpo.reward_funcs; give one per function")
+
+
+def check_batch(cfg: GRPOConfig, world_size: int) -> None:
+    """A step's completions (micro x accumulation x ranks) are whole groups of grpo.num_generations."""
+    completions = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world_size
+    if completions % cfg.grpo.num_generations:
+        raise ConfigError(f"train.micro_batch_size x train.grad_accum_steps x {world_size} ranks = {completions} "
+                          f"completions per step must be a multiple of grpo.num_generations = "
+                          f"{cfg.grpo.num_generations}")
 
 
 class PromptSteps:
@@ -341,6 +327,7 @@ class GRPO(Recipe):
     def check(self, cfg: GRPOConfig) -> None:
         self.check_existing_model(cfg, "configs/demo-grpo.yaml")
         check(cfg.grpo)
+        check_batch(cfg, distributed.world_size_from_env())  # before any process group: torchrun's WORLD_SIZE
         rewards.load_all(cfg.grpo.reward_funcs)  # a missing module, file or function: exit 2 here
         if cfg.train.loss_impl == "liger":
             raise ConfigError("train.loss_impl: recipes/grpo.py takes chunked (the default) or full; liger yields "
@@ -351,10 +338,6 @@ class GRPO(Recipe):
 
     def source(self, run) -> tuple[data.Built, Rollouts]:
         g, tok, cfg = run.cfg.grpo, run.tokenizer, run.cfg
-        if run.global_batch % g.num_generations:
-            raise ConfigError(f"train.micro_batch_size x train.grad_accum_steps x {run.env.world_size} ranks = "
-                              f"{run.global_batch} completions per step must be a multiple of "
-                              f"grpo.num_generations = {g.num_generations}")
         built = build_data(run, self.unit)
         funcs = rewards.load_all(g.reward_funcs)
         eos = model_lib.stop_ids(run.model_config.eos_token_id, tok)
