@@ -1,19 +1,20 @@
-"""Helpers shared by bench/run.py and the probe scripts: launching torchrun with a hard timeout,
-reading the recipe's metrics.jsonl, reading this process's memory counters, small statistics."""
+"""Helpers shared by bench/run.py and the benchmarks: launching torchrun with a hard timeout (through the tests'
+own launcher, tests/helpers/launcher.py), reading the recipe's metrics.jsonl, reading this process's memory
+counters, small statistics."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
+sys.path.insert(0, str(REPO / "tests"))  # the launcher the tests use (tests/helpers/launcher.py)
+
+from helpers import launcher  # noqa: E402
+
 RECIPE = REPO / "recipes" / "finetune.py"
 
 
@@ -22,37 +23,30 @@ class BenchError(RuntimeError):
 
 
 def base_env(extra: dict | None = None) -> dict:
-    """One thread per rank (torchrun's own default for several ranks), offline, unbuffered."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"}
-    env.update(extra or {})
-    return env
+    """The launcher's environment (one thread per rank, offline, unbuffered), quiet tokenizers and transformers."""
+    return {"TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error", **(extra or {})}
 
 
 def run(cmd: list, timeout: float, env: dict | None = None, log: Path | None = None) -> tuple[str, float]:
     """Run cmd in its own process group (killed whole on timeout); returns (output, wall seconds).
     Raises BenchError with the output's tail on failure."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=base_env(env), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise BenchError(f"timed out after {timeout:.0f}s: {' '.join(map(str, cmd))}\n{out[-3000:]}") from None
+        res = launcher.finish(launcher.start(cmd, base_env(env), merge_stderr=True), timeout)
+    except launcher.TimedOut as e:
+        raise BenchError(f"{e}\n{e.stdout[-3000:]}") from None
     wall = time.perf_counter() - t0
     if log is not None:
         log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text(out)
-    if proc.returncode != 0:
-        raise BenchError(f"exit {proc.returncode}: {' '.join(map(str, cmd))}\n{out[-4000:]}")
-    return out, wall
+        log.write_text(res.stdout)
+    if res.returncode != 0:
+        raise BenchError(f"exit {res.returncode}: {' '.join(map(str, cmd))}\n{res.stdout[-4000:]}")
+    return res.stdout, wall
 
 
 def torchrun(args: list, nproc: int = 2, timeout: float = 600, env: dict | None = None,
              log: Path | None = None) -> tuple[str, float]:
-    return run([BIN / "torchrun", "--standalone", f"--nproc_per_node={nproc}", *args], timeout, env, log)
+    return run(launcher.command(args, nproc), timeout, env, log)
 
 
 def read_metrics(output_dir: Path) -> list[dict]:

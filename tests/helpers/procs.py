@@ -1,24 +1,23 @@
-"""Launch real processes (torchrun --standalone, or plain python) with a hard timeout that kills the whole
-process group, so a hung collective fails a test instead of hanging the suite; and read what a run logged.
+"""Launch real processes (torchrun --standalone, or plain python: helpers/launcher.py, shared with bench/) with a
+hard timeout that kills the whole process group, so a hung collective fails a test instead of hanging the suite;
+and read what a run logged.
 Only a test marked slow may launch: `make test-fast` (-m "not slow") must start no process (tests/conftest.py
 tells this module which test is running)."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from helpers import RECIPE, REPO, TINY
+from helpers import RECIPE, TINY, launcher
 
-BIN = Path(sys.executable).parent
+BIN = launcher.BIN  # where torchrun, lm_eval, accelerate are
+
 TWO_RANKS = ("parallel.strategy=ddp", "train.micro_batch_size=2")  # global batch 4, as in the reference run
 # Whether the running test is marked slow (set by tests/conftest.py before its fixtures are set up).
 running_slow_test = False
@@ -30,26 +29,14 @@ def start(args: list[str], nproc: int = 1, env: dict | None = None, torchrun: bo
     in its own process group (so a timeout can kill everything it started)."""
     if not running_slow_test:
         pytest.fail("this test starts processes: mark it @pytest.mark.slow (make test-fast runs none)")
-    if torchrun:
-        cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", *torchrun_args,
-               *map(str, args)]
-    else:
-        cmd = [sys.executable, *map(str, args)]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
-                **(env or {})}
-    return subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    return launcher.start(launcher.command(args, nproc, torchrun, torchrun_args), env)
 
 
 def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
     try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"timed out after {timeout}s: {' '.join(proc.args)}\n--- stdout\n{out[-3000:]}\n"
-                    f"--- stderr\n{err[-3000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        return launcher.finish(proc, timeout)
+    except launcher.TimedOut as e:
+        pytest.fail(f"{e}\n--- stdout\n{e.stdout[-3000:]}\n--- stderr\n{e.stderr[-3000:]}")
 
 
 def launch(args: list[str], nproc: int = 1, timeout: float = 240, env: dict | None = None,
