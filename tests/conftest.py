@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import procs
+from helpers import procs, runs
 from helpers.export import save_baseline
-from helpers.procs import TWO_RANKS, losses, run_recipe
+from helpers.procs import losses
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -20,12 +20,17 @@ def pytest_runtest_setup(item):
 
 
 @pytest.fixture(scope="session")
-def reference_run(tmp_path_factory) -> Path:
+def shared_runs(tmp_path_factory) -> runs.SharedRuns:
+    """End-to-end runs each started once per session, read by every test that asks for them (helpers/runs.py)."""
+    return runs.SharedRuns(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def reference_run(shared_runs) -> Path:
     """The plainest run of the recipe (one process, no wrapper, micro 4, accum 1): the losses every other
     configuration must match, and its export's logits (probe.safetensors) those of every other export. Its
     last step is checkpointed too (checkpoints/step_4), for the export to be compared with."""
-    out = tmp_path_factory.mktemp("reference")
-    run_recipe(out, "parallel.strategy=none", "checkpoint.every_steps=4")
+    out = shared_runs(runs.REFERENCE)
     save_baseline(out)
     return out
 
@@ -38,12 +43,54 @@ def reference(reference_run) -> list[float]:
 
 
 @pytest.fixture(scope="session")
-def two_rank_losses(tmp_path_factory) -> list[float]:
-    """One node, 2 processes (torchrun --standalone), DDP: what the multi-node launches (Slurm, torchrun
-    --nnodes 2, accelerate) of the same run must reproduce."""
-    out = tmp_path_factory.mktemp("two_ranks")
-    run_recipe(out, *TWO_RANKS, nproc=2)
-    return losses(out)
+def two_rank_run(shared_runs) -> Path:
+    """One node, 2 processes (torchrun --standalone), DDP, the reference run's global batch."""
+    return shared_runs(runs.TWO_RANK)
+
+
+@pytest.fixture(scope="session")
+def two_rank_losses(two_rank_run) -> list[float]:
+    """What the multi-node launches (Slurm, torchrun --nnodes 2, accelerate) of the two-rank run must reproduce."""
+    return losses(two_rank_run)
+
+
+class _Exit(Exception):
+    def __init__(self, code: int):
+        self.code = code
+
+
+def _no_process_group(*args, **kwargs):
+    raise AssertionError("set-up passed: the recipe went on to its process group")
+
+
+@pytest.fixture
+def run_setup(monkeypatch, capsys):
+    """run_setup(script, *args, world_size=1) -> (exit code, stdout, stderr): the script run in this process
+    as `python script args` runs it (sys.argv, its __main__ block, exit code through distributed.hard_exit),
+    as rank 0 of `world_size` would (WORLD_SIZE), for set-up errors: it must stop before its process group. A
+    real launch costs seconds of start-up per case; tests/test_config.py keeps one real 2-rank launch."""
+    import runpy
+    import sys
+
+    from llmtrain import distributed
+
+    def hard_exit(code: int):
+        raise _Exit(code)
+
+    def run(script: Path, *args, world_size: int = 1) -> tuple[int, str, str]:
+        monkeypatch.setattr(sys, "argv", [str(script), *map(str, args)])
+        monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts the repository first
+        monkeypatch.setattr(distributed, "hard_exit", hard_exit)
+        monkeypatch.setattr(distributed, "init", _no_process_group)
+        for name, value in (("WORLD_SIZE", world_size), ("RANK", 0), ("LOCAL_RANK", 0)):
+            monkeypatch.setenv(name, str(value))
+        capsys.readouterr()
+        with pytest.raises(_Exit) as exited:
+            runpy.run_path(str(script), run_name="__main__")
+        out, err = capsys.readouterr()
+        return exited.value.code, out, err
+
+    return run
 
 
 @pytest.fixture

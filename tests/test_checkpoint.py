@@ -155,10 +155,10 @@ def test_converter_matches_the_export(tmp_path, fsdp2_run):
 
 
 @pytest.mark.slow
-def test_resume_path_must_be_a_complete_checkpoint(tmp_path):
-    res = run_recipe(tmp_path, f"checkpoint.resume={tmp_path}", check=False, torchrun=False)
-    assert res.returncode == 2
-    assert "checkpoint.resume" in res.stderr and "not a complete checkpoint" in res.stderr
+def test_resume_path_must_be_a_complete_checkpoint(tmp_path, run_setup):
+    code, _, err = run_setup(RECIPE, "--config", TINY, f"output_dir={tmp_path}", f"checkpoint.resume={tmp_path}")
+    assert code == 2
+    assert "checkpoint.resume" in err and "not a complete checkpoint" in err
 
 
 @pytest.mark.slow
@@ -221,12 +221,12 @@ def test_preemption_signal_saves_and_exits_for_requeue(tmp_path, clean_40, sig):
 
 
 @pytest.mark.slow
-def test_unwritable_output_dir_fails_before_training(tmp_path):
+def test_unwritable_output_dir_fails_before_training(tmp_path, run_setup):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    res = run_recipe(blocker / "run", check=False, timeout=60, torchrun=False)
-    assert res.returncode == 2
-    assert "output_dir: cannot write" in res.stderr
+    code, _, err = run_setup(RECIPE, "--config", TINY, f"output_dir={blocker / 'run'}")
+    assert code == 2
+    assert "output_dir: cannot write" in err
     with pytest.raises(ConfigError, match=f"output_dir: {blocker} is a file, not a directory"):
         check_writable(str(blocker))
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import REPO, TINY
-from helpers.procs import finish_recipe, losses_by_step, read_metrics, run_recipe, run_side_by_side, start_recipe
+from helpers import RECIPE, REPO, TINY
+from helpers.procs import losses_by_step, read_metrics, run_recipe, run_side_by_side
 from llmtrain import data
 from llmtrain.config import DataConfig
 from llmtrain.models.hf import load_tokenizer
@@ -280,21 +280,16 @@ def test_dpo_precomputed_reference_is_reused_and_a_damaged_piece_recomputed(tmp_
 
 
 @pytest.mark.slow
-def test_dpo_bad_settings_name_the_key(tmp_path, base):
+def test_dpo_bad_settings_name_the_key(tmp_path, base, run_setup):
     cases = {("data.format=text",): "data.format=preference", ("train.loss_impl=liger",): "train.loss_impl",
              ("model.path=outputs/nowhere/hf",): "recipes/finetune.py --config configs/demo.yaml",
              ("dpo.loss=simpo", PRECOMPUTE): "dpo.precompute_reference: dpo.loss=simpo uses no reference model",
              (PRECOMPUTE, "eval.every_steps=1", "data.val_fraction=0.2"):
                  "set eval.every_steps=0 or dpo.precompute_reference=false"}
-    procs = {}  # all at once: each stops in its set-up, so the time is the processes' start-up
-    for i, overrides in enumerate(cases):
+    for i, overrides in enumerate(cases):  # in this process: each stops in its set-up
         args = [a for a in dpo_args(base) if not a.startswith(tuple(o.split("=")[0] + "=" for o in overrides))]
-        procs[overrides] = start_recipe(tmp_path / f"bad{i}", *args, *overrides, torchrun=False, config=TINY,
-                                        script=DPO)
-    sft = start_recipe(tmp_path / "sft", *dpo_args(base), torchrun=False)  # pairs are not SFT data
-    for overrides, proc in procs.items():
-        res = finish_recipe(proc, check=False)
-        assert res.returncode == 2 and cases[overrides] in res.stderr, (overrides, res.stderr[-2000:])
-        assert "Traceback" not in res.stderr
-    res = finish_recipe(sft, check=False)
-    assert res.returncode == 2 and "recipes/dpo.py" in res.stderr, res.stderr[-2000:]
+        code, _, err = run_setup(DPO, "--config", TINY, f"output_dir={tmp_path / f'bad{i}'}", *args, *overrides)
+        assert code == 2 and cases[overrides] in err, (overrides, err[-2000:])
+        assert "Traceback" not in err
+    code, _, err = run_setup(RECIPE, "--config", TINY, f"output_dir={tmp_path / 'sft'}", *dpo_args(base))
+    assert code == 2 and "recipes/dpo.py" in err, err[-2000:]  # pairs are not SFT data

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from helpers import REPO
-from helpers.procs import BIN, launch, losses_by_step, read_metrics, run_recipe
+from helpers.procs import BIN, TWO_RANKS, launch, losses_by_step, read_metrics, run_recipe
 
 pytest.importorskip("lm_eval")
 
@@ -29,10 +29,10 @@ def offline(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    """tests/tiny.yaml (4 steps, one process) with its checkpoint at the last step and its export."""
-    out = tmp_path_factory.mktemp("eval_run")
-    run_recipe(out, "checkpoint.every_steps=4")
+def tiny_run(reference_run):
+    """tests/tiny.yaml (4 steps, one process) with its checkpoint at the last step and its export: the
+    reference run (tests/conftest.py)."""
+    out = reference_run
     assert (out / "hf" / "config.json").is_file() and (out / "checkpoints" / "step_4" / ".metadata").is_file()
     return out
 
@@ -217,20 +217,19 @@ def test_cli_exit_code_and_missing_extra(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_harness_during_training_leaves_training_and_resume_exact(tmp_path):
+def test_harness_during_training_leaves_training_and_resume_exact(tmp_path, two_rank_run):
     """eval.harness every 2 steps on 2 ranks: harness/<task>/<metric> records at steps 2 and 4 (the last one the
-    final export's), the losses of the same run without it bit for bit, and a resume from the step-2 checkpoint
-    (saved right after an eval) continues with the same losses."""
+    final export's), the losses of the same run without it (the two-rank run, tests/conftest.py) bit for bit,
+    and a resume from the step-2 checkpoint (saved right after an eval) continues with the same losses."""
     harness = (f"eval.harness.tasks=[{DEMO_TASKS}]", "eval.harness.every_steps=2", f"eval.harness.limit={LIMIT}")
-    two = ("parallel.strategy=ddp", "train.micro_batch_size=2")
+    two = TWO_RANKS
     run_recipe(tmp_path / "run", *two, *harness, "checkpoint.every_steps=2", nproc=2)
     records = read_metrics(tmp_path / "run")
     scored = [r for r in records if any(k.startswith("harness/") for k in r)]
     assert [r["step"] for r in scored] == [2, 4]
     assert {"harness/demo_facts/acc,none", "harness/demo_recall/exact_match,strip"} <= scored[-1].keys()
     with_harness = losses_by_step(tmp_path / "run")
-    run_recipe(tmp_path / "plain", *two, nproc=2)
-    assert with_harness == losses_by_step(tmp_path / "plain")
+    assert with_harness == losses_by_step(two_rank_run)
     (tmp_path / "resumed" / "checkpoints").mkdir(parents=True)
     shutil.copytree(tmp_path / "run" / "checkpoints" / "step_2", tmp_path / "resumed" / "checkpoints" / "step_2")
     res = run_recipe(tmp_path / "resumed", *two, *harness, nproc=2)

@@ -130,7 +130,7 @@ def test_flops_count_attention_width_and_tied_embeddings_once():
 
 
 @pytest.mark.slow
-def test_encoders_and_headless_models_are_refused_at_start(tmp_path):
+def test_encoders_and_headless_models_are_refused_at_start(tmp_path, run_setup):
     small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, vocab_size=512)
     BertForMaskedLM(BertConfig(**small)).save_pretrained(tmp_path / "bert")
     LlamaModel(LlamaConfig(**small)).save_pretrained(tmp_path / "llama_base")
@@ -139,10 +139,10 @@ def test_encoders_and_headless_models_are_refused_at_start(tmp_path):
                                               "decoder-only causal LM"):
             model_lib.check_paths(ModelConfig(path=str(tmp_path / name)), None)
     # the recipe: one line, exit 2, from setup() (no process group, no model built)
-    res = launch([REPO / "recipes" / "finetune.py", "--config", TINY, "model.config=null",
-                  f"model.path={tmp_path / 'bert'}", f"output_dir={tmp_path / 'out'}"], torchrun=False, timeout=120)
-    assert res.returncode == 2, res.stderr[-3000:]
-    assert res.stderr.strip().splitlines() == [f"error: model.path: {tmp_path / 'bert'} is a BertForMaskedLM "
+    code, _, err = run_setup(RECIPE, "--config", TINY, "model.config=null", f"model.path={tmp_path / 'bert'}",
+                             f"output_dir={tmp_path / 'out'}")
+    assert code == 2, err[-3000:]
+    assert err.strip().splitlines() == [f"error: model.path: {tmp_path / 'bert'} is a BertForMaskedLM "
                                                "(config.json), not a decoder-only causal LM (a ...ForCausalLM); "
                                                "llmtrain fine-tunes causal LMs only"]
     assert not (tmp_path / "out").exists()

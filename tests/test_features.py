@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from helpers import REPO
 from helpers.procs import launch, losses, run_recipe
+from helpers.runs import Run
 
 TOL = 2e-5
 # Options that must not change the math, combined where they are independent.
@@ -53,11 +54,11 @@ def test_mixed_precision_trains_close_to_fp32(tmp_path, reference, strategy, dty
 
 
 @pytest.mark.slow
-def test_weights_from_model_path_round_trip(tmp_path):
+def test_weights_from_model_path_round_trip(tmp_path, shared_runs):
     """Train and export under FSDP2, then load that directory through FSDP1 sharding on 2 ranks and
-    export again after a step at a negligible lr: the tensors must come back the same."""
-    first, second = tmp_path / "first", tmp_path / "second"
-    run_recipe(first, "parallel.strategy=fsdp2", "train.micro_batch_size=2", nproc=2)
+    export again after a step at a negligible lr: the tensors must come back the same. (The FSDP2 run is
+    test_parity's 2-rank one, shared.)"""
+    first, second = shared_runs(Run(("parallel.strategy=fsdp2", "train.micro_batch_size=2"), nproc=2)), tmp_path
     run_recipe(second, "parallel.strategy=fsdp", "model.config=null", "tokenizer.path=null",
                f"model.path={first / 'hf'}", "train.max_steps=1", "train.lr=1e-12", "train.micro_batch_size=2",
                nproc=2)

@@ -188,12 +188,11 @@ def test_a_failing_reward_function_stops_with_one_line(setup, func, nproc, messa
 
 
 @pytest.mark.slow
-def test_missing_reward_function_exits_2_before_start(setup):
+def test_missing_reward_function_exits_2_before_start(setup, run_setup):
     tmp, config = setup
     spec = f"{tmp / 'rewards.py'}:nope"
-    res = run_recipe(tmp / "missing", f"grpo.reward_funcs=[{spec}]", config=config, script=GRPO, torchrun=False,
-                     check=False)
-    assert res.returncode == 2 and f"{spec!r}: " in res.stderr and "has no function 'nope'" in res.stderr
+    code, _, err = run_setup(GRPO, "--config", config, f"output_dir={tmp / 'missing'}", f"grpo.reward_funcs=[{spec}]")
+    assert code == 2 and f"{spec!r}: " in err and "has no function 'nope'" in err
     assert not (tmp / "missing").exists()
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import RECIPE
 from helpers.export import assert_export_matches
-from helpers.procs import losses, run_recipe, run_side_by_side
+from helpers.procs import losses, run_recipe
+from helpers.runs import Run
 
 # (ranks, micro_batch_size, grad_accum_steps): global batch 4 rows in each.
 SPLITS = [(1, 4, 1), (1, 2, 2), (2, 2, 1), (2, 1, 2)]
@@ -22,13 +22,13 @@ def test_none_accumulation_matches_micro_batch(tmp_path, reference):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp2"])
-def test_strategy_and_split_give_same_losses(tmp_path, reference_run, reference, strategy):
-    runs = {(ranks, micro, accum): (tmp_path / f"{ranks}x{micro}x{accum}", ranks,
-                                    [f"parallel.strategy={strategy}", f"train.micro_batch_size={micro}",
-                                     f"train.grad_accum_steps={accum}"], RECIPE)
+def test_strategy_and_split_give_same_losses(shared_runs, reference_run, reference, strategy):
+    """(The runs are shared: ddp's 2x2x1 is the two-rank run, fsdp2's the one test_features loads from.)"""
+    runs = {(ranks, micro, accum): Run((f"parallel.strategy={strategy}", f"train.micro_batch_size={micro}",
+                                        f"train.grad_accum_steps={accum}"), nproc=ranks)
             for ranks, micro, accum in SPLITS}
-    run_side_by_side(runs, at_once=len(runs))
-    for (ranks, micro, accum), (out, *_) in runs.items():
+    outs = shared_runs.get(runs, at_once=len(runs))
+    for (ranks, micro, accum), out in outs.items():
         assert losses(out) == pytest.approx(reference, abs=TOL), f"{strategy} {ranks} ranks micro {micro} accum {accum}"
     # the 2-rank model's export gives the reference export's logits in transformers
-    assert_export_matches(tmp_path / "2x2x1", reference_run / "probe.safetensors")
+    assert_export_matches(outs[2, 2, 1], reference_run / "probe.safetensors")

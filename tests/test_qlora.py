@@ -379,12 +379,13 @@ def test_qlora_resumes_exactly_on_another_world_size_and_refuses_other_quantizat
 
 
 @pytest.mark.slow
-def test_qlora_refuses_fsdp1_in_one_line(tmp_path, base):
-    from helpers.procs import run_recipe
+def test_qlora_refuses_fsdp1_in_one_line(tmp_path, base, run_setup):
+    from helpers import RECIPE, TINY
 
-    res = run_recipe(tmp_path, *qlora_args(base, NF4, "parallel.strategy=fsdp"), check=False, torchrun=False)
-    errors = [line for line in res.stderr.splitlines() if "quantize_base" in line]
-    assert res.returncode == 2 and len(errors) == 1 and "parallel.strategy=fsdp2" in errors[0], res.stderr[-2000:]
+    code, _, err = run_setup(RECIPE, "--config", TINY, f"output_dir={tmp_path}",
+                             *qlora_args(base, NF4, "parallel.strategy=fsdp"))
+    errors = [line for line in err.splitlines() if "quantize_base" in line]
+    assert code == 2 and len(errors) == 1 and "parallel.strategy=fsdp2" in errors[0], err[-2000:]
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
