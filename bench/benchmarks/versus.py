@@ -1,0 +1,180 @@
+"""The recipe against transformers' Trainer and TRL's trainers (TRL in its own venv): what `trainer`, `trl`, `dpo`
+and `grpo` share."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from benchmarks.base import BENCH, Ctx, SHAPE_32K, TIMEOUT, describe_shape, ratio, table, write_config
+from common import (RECIPE, REPO, alternating_pairs, best_window_rate, median, pair_order, run, torchrun,
+                    train_records, useful_tokens_per_sec)
+
+
+TRL_PINS = ["torch==2.13.0", "trl==1.16.0", "transformers==5.24.0", "datasets", "accelerate", "pyyaml"]
+
+
+def trl_python(ctx: Ctx) -> Path:
+    """TRL is no dependency of llmtrain: its own virtual environment, made once with python3 -m venv."""
+    venv = ctx.trl_venv
+    if not (venv / "bin" / "torchrun").is_file():
+        print(f"creating {venv} for TRL ({' '.join(TRL_PINS)})", flush=True)
+        run(["python3", "-m", "venv", venv], timeout=TIMEOUT)
+        run([venv / "bin" / "pip", "install", "-q", *TRL_PINS], timeout=3 * TIMEOUT)
+    return venv / "bin"
+
+
+def vs_hf(ctx: Ctx, kind: str) -> dict:
+    """Useful tokens/s of the recipe (chat, packed, ddp) vs transformers' Trainer or TRL's SFTTrainer."""
+    steps, warmup, window, pairs = (6, 2, 2, 1) if ctx.quick else (10, 3, 3, ctx.pairs)
+    work = ctx.dir(kind)
+    cfg = write_config(work / "chat.yaml", SHAPE_32K, {"data": {"path": "data/demo/chat.jsonl", "format": "chat",
+                                                                "packing": True},
+                                                       "parallel": {"strategy": "ddp"}})
+    loaded = yaml.safe_load(cfg.read_text())
+    micro, seq = loaded["train"]["micro_batch_size"], loaded["data"]["seq_len"]
+    other = {"trainer": ("HF Trainer", BENCH / "hf_trainer.py", None),
+             "trl": ("TRL SFTTrainer", BENCH / "trl_sft.py", trl_python(ctx) if kind == "trl" else None)}
+    name, script, bindir = other[kind]
+
+    def run_recipe(i: int) -> tuple[float, float, float, float]:
+        out = work / f"recipe_{i}"
+        torchrun([RECIPE, "--config", cfg, f"output_dir={out}", f"train.max_steps={steps}", "log.every_steps=1",
+                  "log.progress=false", "checkpoint.resume=never"], timeout=TIMEOUT, log=work / f"recipe_{i}.log")
+        records = train_records(out)
+        rate, tokens, _ = useful_tokens_per_sec(records, warmup)
+        return rate, tokens, best_window_rate([r["elapsed_s"] for r in records],
+                                              [r["trained_tokens"] for r in records], warmup, window), \
+            max(r["mem_gb"] for r in records)
+
+    def run_hf(i: int) -> dict:
+        res = work / f"hf_{i}.json"
+        args = [script, "--config", cfg, "--steps", steps, "--warmup", warmup, "--output-dir", work / f"hf_{i}",
+                "--out", res]
+        env = {"HF_DATASETS_CACHE": str(work / "hf_cache")}
+        if bindir is None:
+            torchrun(args, timeout=TIMEOUT, log=work / f"hf_{i}.log", env=env)
+        else:
+            run([bindir / "torchrun", "--standalone", "--nproc_per_node=2", *args], TIMEOUT, env, work / f"hf_{i}.log")
+        return json.loads(res.read_text())
+
+    ours, hf, ratios_, our_tok, hf_tok, best, our_mem, hf_mem = [], [], [], [], [], [], [], []
+    for (rate, tokens, a_best, mem), hf_info in alternating_pairs(pairs, run_recipe, run_hf):
+        ours.append(rate)
+        hf.append(hf_info["useful_tokens_per_sec"])
+        our_tok.append(tokens / (steps - warmup))
+        hf_tok.append(hf_info["trained_tokens"] / (steps - warmup))
+        ratios_.append(rate / hf_info["useful_tokens_per_sec"])
+        best.append(a_best / best_window_rate(hf_info["step_end_s"], hf_info["step_trained_tokens"], warmup, window))
+        our_mem.append(mem)
+        hf_mem.append(hf_info["peak_rss_bytes"] / 2**30)
+    rows = [[f"pair {i + 1} ({pair_order(i)})", f"{a:,.0f}", f"{b:,.0f}", f"{a / b:.2f}", f"{r:.2f}",
+             f"{m:.2f} / {n:.2f}"] for i, (a, b, r, m, n) in enumerate(zip(ours, hf, best, our_mem, hf_mem))]
+    rows.append(["**median**", f"{median(ours):,.0f}", f"{median(hf):,.0f}", f"**{median(ratios_):.2f}**",
+                 f"{median(best):.2f}", f"{median(our_mem):.2f} / {median(hf_mem):.2f}"])
+    pad = 1 - hf_info["real_tokens"] / hf_info["tokens"]
+    text = table([f"run (A = recipe, B = {name})", "recipe useful tokens/s", f"{name} useful tokens/s",
+                  f"recipe / {name}", f"best {window}-step window, recipe / {name}",
+                  "peak GiB / rank, recipe / " + name], rows)
+    if kind == "trl":
+        how = (f"TRL {hf_info['trl']} SFTTrainer: packing=True (strategy {hf_info['packing_strategy']}: padding-free "
+               f"rows with position_ids), assistant_only_loss=True, max_length {seq}, attention "
+               f"{hf_info['attn_implementation']}, TRL defaults otherwise, in its own venv ({ctx.trl_venv_shown})")
+    else:
+        how = f"DataCollatorForSeq2Seq(padding=True): {pad:.0%} of its positions are padding"
+    text += (f"\n\nShape: {describe_shape(cfg)}, chat data (data/demo/chat.jsonl), 2 ranks gloo, fp32. Useful = label "
+             f"positions that carry a loss (assistant turns), all ranks. Per step (2 ranks x micro-batch {micro}): "
+             f"recipe {median(our_tok):,.0f} trained tokens in packed rows of {seq}; {name} "
+             f"{median(hf_tok):,.0f}. {name}: {how}; {hf_info['wrapper']} over {hf_info['backend']} "
+             f"({hf_info['distributed_type']}; on CPU accelerate ignores FSDP settings, so DDP), "
+             f"find_unused_parameters={hf_info['find_unused_parameters']}. The recipe ran DDP too "
+             f"(parallel.strategy=ddp), data.format=chat, data.packing=true, train.loss_impl=chunked. {steps} steps, "
+             "the "
+             "first {warmup} left out; time from rank 0 at the end of each step (the recipe's elapsed_s, a callback's "
+             "on_step_end). Peak memory: peak RSS of the process, max over ranks (the recipe's mem_gb). "
+             f"Spread of the per-pair ratios: {max(ratios_) / min(ratios_):.2f}x.").replace("{warmup}", str(warmup))
+    target = 1.3 if kind == "trainer" else 2.0
+    return {"title": f"Useful tokens/s vs {name} (chat SFT)", "table": text,
+            "ratios": [ratio(f"{kind}: recipe / {name} useful tokens/s", median(ratios_), target),
+                       ratio(f"{kind}: best window, recipe / {name}", median(best), target),
+                       ratio(f"{kind}: recipe / {name} peak memory per rank", median(our_mem) / median(hf_mem))],
+            "raw": {"recipe_useful_tokens_per_sec": ours, "hf_useful_tokens_per_sec": hf, "ratios": ratios_,
+                    "best_window_ratios": best, "recipe_peak_gib": our_mem, "hf_peak_gib": hf_mem,
+                    "hf": hf_info, "steps": steps, "warmup": warmup}}
+
+
+SHAPE_DPO = BENCH / "configs" / "llama-32k-dpo.yaml"
+DPO_RECIPE = REPO / "recipes" / "dpo.py"
+SHAPE_GRPO = BENCH / "configs" / "llama-32k-grpo.yaml"
+GRPO_RECIPE = REPO / "recipes" / "grpo.py"
+
+
+def recipe_vs_trl(ctx: Ctx, name: str, recipe: Path, shape: Path, driver: str, steps: int, warmup: int,
+                  window: int, overrides: list[str] | None = None) -> tuple[list[tuple], Path, int, int]:
+    """`recipe` and TRL (bench/<driver>, TRL's venv) from one random model directory of llama-32k's shape, ddp,
+    2 ranks, --pairs alternating pairs: [(recipe, TRL)] with each side's rate, per-step counts, peak memory and
+    fastest `window`-step rate after `warmup` steps; and the config both read."""
+    pairs = 1 if ctx.quick else ctx.pairs
+    work = ctx.dir(name)
+    bindir = trl_python(ctx)
+    model_dir = work / "model"
+    model_shape = yaml.safe_load(SHAPE_32K.read_text())["model"]["config"]
+    run([sys.executable, BENCH / "memory_probe.py", "--export", model_dir, "--shape", json.dumps(model_shape)],
+        TIMEOUT)
+    cfg = write_config(work / f"{name}.yaml", shape, {"model": {"path": str(model_dir)}})
+    data = yaml.safe_load(cfg.read_text())["data"]["path"]
+
+    def run_recipe(i: int) -> dict:
+        out = work / f"recipe_{i}"
+        torchrun([recipe, "--config", cfg, f"output_dir={out}", f"train.max_steps={steps}", "log.every_steps=1",
+                  "log.progress=false", "checkpoint.resume=never", *(overrides or [])], timeout=TIMEOUT,
+                 log=work / f"recipe_{i}.log")
+        records = train_records(out)
+        rate, _, _ = useful_tokens_per_sec(records, warmup)
+        tokens = [r["trained_tokens"] for r in records]
+        # GRPO: the share of a step spent sampling (absent for other recipes)
+        sampling = [r["generation_s"] / r["step_time_s"] for r in records[warmup:] if "generation_s" in r]
+        return {"rate": rate, "tokens": tokens, "mem": max(r["mem_gb"] for r in records),
+                "sampling_share": median(sampling) if sampling else None,
+                "best": best_window_rate([r["elapsed_s"] for r in records], tokens, warmup, window)}
+
+    def run_trl(i: int) -> dict:
+        res = work / f"trl_{i}.json"
+        run([bindir / "torchrun", "--standalone", "--nproc_per_node=2", BENCH / driver, "--config", cfg,
+             "--data", data, "--steps", steps, "--warmup", warmup, "--output-dir", work / f"trl_{i}",
+             "--out", res], TIMEOUT, {"HF_DATASETS_CACHE": str(work / "hf_cache")}, work / f"trl_{i}.log")
+        info = json.loads(res.read_text())
+        info["best"] = best_window_rate(info["step_end_s"], info["step_trained_tokens"], warmup, window)
+        return info
+
+    return alternating_pairs(pairs, run_recipe, run_trl), cfg, steps, warmup
+
+
+@dataclass
+class VsTrl:
+    """recipe_vs_trl's pairs summed up: the per-pair ratios (rate, fastest window, peak memory) and the table."""
+    ratios: list[float]
+    best: list[float]
+    mem: list[float]
+    table: str
+    same_tokens: bool
+
+
+def vs_trl_table(runs: list[tuple], trainer: str, what: str, window: int) -> VsTrl:
+    ratios_ = [a["rate"] / b["useful_tokens_per_sec"] for a, b in runs]
+    best = [a["best"] / b["best"] for a, b in runs]
+    mem = [a["mem"] / (b["peak_rss_bytes"] / 2**30) for a, b in runs]
+    rows = [[f"pair {i + 1} ({pair_order(i)})", f"{a['rate']:,.0f}", f"{b['useful_tokens_per_sec']:,.0f}",
+             f"{r:.2f}", f"{w:.2f}", f"{a['mem']:.2f} / {b['peak_rss_bytes'] / 2**30:.2f}"]
+            for i, ((a, b), r, w) in enumerate(zip(runs, ratios_, best))]
+    rows.append(["**median**", f"{median([a['rate'] for a, _ in runs]):,.0f}",
+                 f"{median([b['useful_tokens_per_sec'] for _, b in runs]):,.0f}", f"**{median(ratios_):.2f}**",
+                 f"{median(best):.2f}", f"ratio {median(mem):.2f}"])
+    text = table([f"run (A = recipe, B = TRL {trainer})", f"recipe {what}/s", f"TRL {what}/s", "recipe / TRL",
+                  f"best {window}-step window, recipe / TRL", "peak GiB / rank, recipe / TRL"], rows)
+    same = all(x["tokens"] == y["step_trained_tokens"] for x, y in runs)
+    return VsTrl(ratios_, best, mem, text, same)
