@@ -154,7 +154,6 @@ def test_converter_matches_the_export(tmp_path, fsdp2_run):
     assert torch.allclose(model.model.embed_tokens.weight.float(), exported["model.embed_tokens.weight"], atol=1e-2)
 
 
-@pytest.mark.slow
 def test_resume_path_must_be_a_complete_checkpoint(tmp_path, run_setup):
     code, _, err = run_setup(RECIPE, "--config", TINY, f"output_dir={tmp_path}", f"checkpoint.resume={tmp_path}")
     assert code == 2
@@ -220,7 +219,6 @@ def test_preemption_signal_saves_and_exits_for_requeue(tmp_path, clean_40, sig):
         assert max(got) == step + 3
 
 
-@pytest.mark.slow
 def test_unwritable_output_dir_fails_before_training(tmp_path, run_setup):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

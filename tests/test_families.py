@@ -129,7 +129,6 @@ def test_flops_count_attention_width_and_tied_embeddings_once():
     assert qwen3 == 6 * 131_520 + 12 * 2 * 128 * seq == 985_728  # d_attn = 4 heads x 32 = 128, not hidden 64
 
 
-@pytest.mark.slow
 def test_encoders_and_headless_models_are_refused_at_start(tmp_path, run_setup):
     small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, vocab_size=512)
     BertForMaskedLM(BertConfig(**small)).save_pretrained(tmp_path / "bert")

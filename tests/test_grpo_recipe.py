@@ -187,7 +187,6 @@ def test_a_failing_reward_function_stops_with_one_line(setup, func, nproc, messa
     assert not (out / "hf").exists() and not (out / "completions.jsonl").exists()
 
 
-@pytest.mark.slow
 def test_missing_reward_function_exits_2_before_start(setup, run_setup):
     tmp, config = setup
     spec = f"{tmp / 'rewards.py'}:nope"

@@ -1,6 +1,6 @@
 """QLoRA's NF4 base (llmtrain/models/nf4.py): which weights, the round-trip bound, the quantized model equal to
 LoRA on the dequantized base, and 2-rank fsdp2/ddp (gloo) equal to one process, the non-dividing fsdp2 shards
-included. Run as a script (`torchrun tests/test_qlora.py OUT`), it is the 2-rank worker."""
+included. The 2-rank and memory workers are tests/scripts/qlora_ranks.py and qlora_memory.py."""
 
 from __future__ import annotations
 
@@ -12,82 +12,19 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
-from transformers import LlamaConfig
 
-from llmtrain import parallelize
-from llmtrain.config import ConfigError, LoraConfig, ModelConfig, ParallelConfig
+from helpers import REPO
+from helpers.qlora import QLORA, SEED, build, dequantized_base, model_config, step
+from llmtrain.config import ConfigError, LoraConfig, ModelConfig
 from llmtrain.models import lora, nf4
-from llmtrain.models.hf import build_meta_model, check_initialized
-from llmtrain.models.names import clean_name
+from llmtrain.models.hf import build_meta_model
 
-# hidden 256, MLP 704: q/o 256 x 256 (1024 blocks of 64, 4 scaler groups of 256), k/v 128 x 256 (2 groups),
-# gate/up 704 x 256 and down 256 x 704 (2816 blocks: 11 groups, which 2 fsdp2 ranks cannot split: the fallback).
-MODEL = {"vocab_size": 256, "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "tie_word_embeddings": True}
-ODD = dict(MODEL, intermediate_size=705)
-QLORA = LoraConfig(enabled=True, r=4, alpha=8.0, dropout=0.0, quantize_base="nf4")
-SEED = 3
+SCRIPTS = REPO / "tests" / "scripts"
+
 # NF4's 16 codes (QLoRA, Dettmers et al. 2023, appendix E) are at most 0.3038 apart (-1 to -0.6962): a weight
 # scaled by its block's absmax lands at most 0.1519 from its code. The scale itself is stored as int8 steps
 # of 2 * max|scale - mean| / 256 over its group of 256: at most half a step off, times |code| <= 1.
 CODE_HALF_GAP = 0.1519
-
-
-def model_config(shape: dict = MODEL) -> LlamaConfig:
-    config = LlamaConfig(**shape)
-    config._attn_implementation = "eager"
-    config.use_cache = False
-    return config
-
-
-def build(strategy: str, section: LoraConfig, dtype: torch.dtype = torch.float32, shape: dict = MODEL):
-    """The model as the recipes build it: meta -> LoRA -> parallelize -> load (random init, seeded) -> NaN
-    check -> nf4. lora_B starts random (not PEFT's zero) so that the adapters' gradients depend on the base."""
-    config = model_config(shape)
-    model, adapters = lora.prepare(build_meta_model(config, ModelConfig()), section, SEED)
-    g = torch.Generator().manual_seed(SEED)
-    adapters = {n: torch.randn(t.shape, generator=g) * 0.1 if ".lora_B." in n else t for n, t in adapters.items()}
-    plan = parallelize.Plan(parallelize.STRATEGIES[strategy], "test", dtype)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("shard",))
-    model = parallelize.parallelize(model, ParallelConfig(strategy=strategy, mixed_precision="fp32"
-                                                          if dtype == torch.float32 else "bf16"),
-                                    plan, mesh, torch.device("cpu"))
-    plan.strategy.load(model, None, config, SEED, adapters)
-    check_initialized(model)
-    return model, nf4.quantize_(model, section)
-
-
-def step(model, steps: int = 2) -> dict:
-    """Forward and backward on one fixed batch (the same on every rank), then an AdamW step and again:
-    the losses, the first forward's logits, the adapters' first gradients (gathered) and the type of a
-    base weight inside its layer's forward (fsdp2: what the all-gather made)."""
-    ids = torch.randint(0, MODEL["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(SEED))
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    out = {"losses": []}
-    layer = next(m for n, m in model.named_modules() if n.endswith("layers.0.mlp.down_proj.base_layer"))
-    layer.register_forward_pre_hook(lambda m, args: out.update(weight_in_forward=type(m.weight).__name__))
-    for i in range(steps):
-        result = model(input_ids=ids, labels=ids)
-        result.loss.backward()
-        out["losses"].append(result.loss.item())
-        if i == 0:
-            out["logits"] = result.logits.detach()
-            out["grads"] = {clean_name(n): full(p.grad) for n, p in model.named_parameters() if p.requires_grad}
-        opt.step()
-        opt.zero_grad()
-    return out
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
-
-
-def dequantized_base(model) -> dict[str, torch.Tensor]:
-    """{name: the dequantized full weight} of every quantized weight."""
-    return {clean_name(n): full(nf4.dequantized(p)) for n, p in model.named_parameters() if nf4.is_nf4(p)}
 
 
 @pytest.fixture
@@ -184,7 +121,7 @@ def two_ranks(tmp_path_factory) -> dict:
     from helpers.procs import launch
 
     out = tmp_path_factory.mktemp("qlora") / "two_ranks.pt"
-    proc = launch([Path(__file__), out], nproc=2, timeout=400)
+    proc = launch([SCRIPTS / "qlora_ranks.py", out], nproc=2, timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out)
 
@@ -234,11 +171,6 @@ def test_fsdp2_bf16_compute_on_the_nf4_base_runs(two_ranks):
     assert all(map(torch.isfinite, map(torch.tensor, losses))) and losses[-1] < losses[0]
 
 
-# 51M parameters, 50M of them in the blocks' linear weights (200 MB in fp32, 26 MB as NF4)
-BIG = dict(MODEL, hidden_size=1024, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=8,
-           num_hidden_layers=4)
-
-
 @pytest.mark.slow
 def test_quantizing_after_loading_does_not_raise_the_host_peak(tmp_path):
     """One process each (ru_maxrss is per process): building the QLoRA model peaks no higher than building
@@ -247,9 +179,9 @@ def test_quantizing_after_loading_does_not_raise_the_host_peak(tmp_path):
 
     seen = {}
     for mode in ("none", "nf4"):
-        proc = launch([Path(__file__), "memory", mode], torchrun=False, timeout=300)
+        proc = launch([SCRIPTS / "qlora_memory.py", mode, tmp_path / f"{mode}.json"], torchrun=False, timeout=300)
         assert proc.returncode == 0, proc.stderr[-4000:]
-        seen[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+        seen[mode] = json.loads((tmp_path / f"{mode}.json").read_text())
     saved = seen["nf4"]["base_bytes_fp32"] - seen["nf4"]["base_bytes_nf4"]
     assert seen["nf4"]["peak"] <= seen["none"]["peak"] + (4 << 20), seen
     assert seen["none"]["rss"] - seen["nf4"]["rss"] > 0.8 * saved, (seen, saved)
@@ -461,36 +393,3 @@ def test_a_quantized_input_model_is_refused_naming_the_problem(tmp_path):
     with pytest.raises(ConfigError, match=r"model.path: .* is quantized \(config.json quantization_config: "
                                           r"bitsandbytes\).*lora.quantize_base=nf4"):
         check_paths(ModelConfig(path=str(tmp_path)), None)
-
-
-def memory(mode: str) -> None:
-    import resource
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    _, report = build("none", replace(QLORA, quantize_base=mode), shape=BIG)
-    with open("/proc/self/statm") as f:
-        rss = int(f.read().split()[1]) * resource.getpagesize()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"peak": peak, "rss": rss, "base_bytes_fp32": 2 * report.bf16_bytes,
-                      "base_bytes_nf4": report.nf4_bytes}))
-
-
-def main(out: Path) -> None:
-    """The 2-rank worker: fsdp2 and ddp (and fsdp2 with bf16 compute), each built, stepped, and its
-    dequantized base gathered; rank 0 saves them."""
-    dist.init_process_group("gloo")
-    results = {}
-    for name, strategy, dtype, shape, steps in (("fsdp2", "fsdp2", torch.float32, MODEL, 2),
-                                                ("ddp", "ddp", torch.float32, MODEL, 2),
-                                                ("fsdp2_bf16", "fsdp2", torch.bfloat16, MODEL, 4),
-                                                ("fsdp2_odd", "fsdp2", torch.float32, ODD, 1)):
-        model, report = build(strategy, QLORA, dtype, shape)
-        base = dequantized_base(model)
-        results[name] = {**step(model, steps), "base": base, "report": json.loads(json.dumps(report.__dict__))}
-    if dist.get_rank() == 0:
-        torch.save(results, out)
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    memory(sys.argv[2]) if sys.argv[1] == "memory" else main(Path(sys.argv[1]))
