@@ -3,13 +3,18 @@ choice, the device mesh, and the few collectives the recipe needs."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
 import signal
 import socket
 import sys
+import time
+import traceback
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -143,6 +148,7 @@ def init(section: DistributedConfig) -> DistEnv:
     """Join the process group announced by the launcher, or form a 1-process group without one, so a
     plain `python recipes/finetune.py` runs the very same code path. With distributed.preflight, reaching
     the store and waiting for every rank are bounded by distributed.preflight_timeout_s (PreflightError)."""
+    global _store, _peers
     rank, world, local_rank = _env_int("RANK", 0), world_size_from_env(), local_rank_from_env()
     device, backend = pick_device(section, local_rank)
     if device.type == "cuda":
@@ -151,10 +157,7 @@ def init(section: DistributedConfig) -> DistEnv:
     if "MASTER_ADDR" in os.environ and "RANK" in os.environ:
         join_timeout = timedelta(seconds=section.preflight_timeout_s) if section.preflight else timeout
         raw = _connect_store(rank, world, join_timeout)
-        # torchrun --max-restarts reuses its store: without a per-attempt prefix, restarted gloo ranks
-        # read the dead ranks' addresses and fail with "connectFullMesh ... Connection refused".
-        attempt = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
-        store = dist.PrefixStore(f"llmtrain/attempt_{attempt}", raw)
+        store = _attempt_store(raw)
         if section.preflight:
             wait_for_ranks(store, rank, world, join_timeout)
         try:
@@ -166,9 +169,145 @@ def init(section: DistributedConfig) -> DistEnv:
             raise PreflightError(f"rank {rank} on {node_name()}: all {world} ranks joined, but forming the "
                                  f"{backend} process group failed: {str(e).strip()[:2000]}") from None
         raw.set_timeout(timeout)  # later store users (sub-groups, barriers) get the run's timeout
+        _store = store
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's children; every local rank has joined by now
+            _peers = launcher_children(os.getppid())
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return DistEnv(rank, world, local_rank, device, backend)
+
+
+def _attempt_store(raw: dist.Store) -> dist.Store:
+    # torchrun --max-restarts reuses its store: without a per-attempt prefix, restarted gloo ranks
+    # read the dead ranks' addresses and fail with "connectFullMesh ... Connection refused".
+    return dist.PrefixStore(f"llmtrain/attempt_{_env_int('TORCHELASTIC_RESTART_COUNT', 0)}", raw)
+
+
+# This run's store once init() has joined it, and {rank: pid} of the training processes on this node (torchrun's
+# children): the console's dedup (error_once) and the naming of a dead peer (lost_peer) use them.
+_store: dist.Store | None = None
+_peers: dict[int, int] = {}
+
+
+def launcher_children(launcher_pid: int) -> dict[int, int]:
+    """{rank: pid} of the training processes below a launcher process (torchrun's agent), read from /proc."""
+    pids = {}
+    try:
+        tasks = list(Path(f"/proc/{launcher_pid}/task").iterdir())
+    except OSError:
+        return pids
+    for task in tasks:
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for child in children:
+            try:
+                env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            for item in env:
+                if item.startswith(b"RANK="):
+                    pids[int(item[5:])] = int(child)
+    return pids
+
+
+def write_line(line: str) -> None:
+    """`line` on stderr, newline-terminated, in one write(): ranks sharing a console never run together."""
+    sys.stderr.flush()
+    os.write(2, (line.rstrip("\n") + "\n").encode(errors="replace"))
+
+
+def tell_launcher(line: str) -> None:
+    """Hand this rank's error line to torchrun (TORCHELASTIC_ERROR_FILE), whose failure report then shows it
+    instead of "To enable traceback see: ..."."""
+    if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        try:
+            Path(path).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
+        except OSError:
+            pass  # the report then lacks the line; the console has it
+
+
+def error_once(line: str) -> None:
+    """Print `line` on stderr unless another rank of this run already printed the very same line (a config
+    error every rank finds alike is printed once; a rank's own differing line is printed). The ranks agree
+    through the run's store: torchrun's agent store before the process group exists, the group's after;
+    without one (one process, or no torchrun before init) the line is printed."""
+    store = _store or _agent_store()
+    if store is not None:
+        try:
+            if store.add("llmtrain/printed/" + hashlib.sha256(line.encode()).hexdigest()[:32], 1) > 1:
+                return
+        except (RuntimeError, dist.DistError):
+            pass
+    write_line(line)
+
+
+def _agent_store() -> dist.Store | None:
+    if world_size_from_env() == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    try:
+        return _attempt_store(dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                            is_master=False, timeout=timedelta(seconds=5), wait_for_workers=False))
+    except (KeyError, ValueError, RuntimeError, dist.DistError):
+        return None
+
+
+_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused",
+         "remote process exited", "ncclremoteerror", "socket closed", "timed out waiting", "watchdog caught",
+         "timeout(ms)")
+_COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
+                "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "barrier", "monitored_barrier",
+                "gather", "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single",
+                "send", "recv", "reduce"}
+
+
+def _exit_status(pid: int) -> str | None:
+    """How a process ended, read from /proc while it is a zombie (not yet reaped by its launcher): 'killed by
+    SIGKILL' / 'exited with code 1'; 'gone' once reaped; None while it runs."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "gone"
+    fields = stat[stat.rindex(")") + 2:].split()
+    if fields[0] != "Z":
+        return None
+    status = int(fields[49]) if len(fields) > 49 else None  # field 52 of proc(5): the wait status
+    if status is None:
+        return "gone"
+    if status & 0x7F:
+        return f"killed by {signal.Signals(status & 0x7F).name}"
+    return f"exited with code {status >> 8}"
+
+
+def dead_peers() -> dict[int, str]:
+    """{rank: how it ended} of this node's other training processes that are no longer running."""
+    return {r: how for r, pid in sorted(_peers.items()) if pid != os.getpid() and (how := _exit_status(pid))}
+
+
+def lost_peer(e: BaseException, rank: int) -> str | None:
+    """The one line for a collective that failed because a peer went away or never answered (gloo's 'Connection
+    reset by peer', NCCL's 'remote process exited', a timeout): which rank lost whom where. None for any other
+    error."""
+    text = f"{type(e).__name__}: {e}".lower()
+    if not (isinstance(e, (RuntimeError, dist.DistError)) and any(k in text for k in _LOST)):
+        return None
+    dead = dead_peers()
+    if dead:
+        who = "; ".join(f"rank {r} {how}" for r, how in dead.items())
+    elif _peers:
+        who = "no rank on this node died: one on another node died or hung?"
+    else:
+        who = "a peer died or hung?"
+    frames = traceback.extract_tb(e.__traceback__)
+    collective = next((f.name for f in reversed(frames) if f.name in _COLLECTIVES and "distributed" in f.filename),
+                      "a collective")
+    ours = next((f for f in reversed(frames) if "/llmtrain/" in f.filename or "/recipes/" in f.filename), None)
+    where = f" in {Path(ours.filename).parent.name}/{Path(ours.filename).name}:{ours.lineno} `{ours.line}`" \
+        if ours else ""
+    verb = "timed out waiting for a peer" if "timed out" in text or "timeout" in text else \
+        "lost its connection to a peer"
+    return f"rank {rank} {verb} ({who}) at {collective}{where}"
 
 
 def build_mesh(env: DistEnv, replicate: int) -> DeviceMesh:
@@ -218,17 +357,61 @@ def shutdown() -> None:
 PREEMPTED_EXIT_CODE = 42  # saved a checkpoint after SIGTERM/SIGUSR1: requeue me
 
 
+def shutdown_grace() -> tuple[float, str] | None:
+    """How long torchrun lets its workers finish after forwarding a signal before it SIGKILLs them, and where
+    that comes from: its --shutdown-timeout flag (read from its command line), else TORCH_ELASTIC_SHUTDOWN_TIMEOUT
+    (or PET_SHUTDOWN_TIMEOUT), else torchrun's default of 30 s. None without torchrun: whoever sent the signal
+    decides."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    try:
+        args = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        args = []
+    for i, arg in enumerate(args):
+        for flag in ("--shutdown-timeout", "--shutdown_timeout"):
+            value = arg[len(flag) + 1:] if arg.startswith(flag + "=") else \
+                args[i + 1] if arg == flag and i + 1 < len(args) else None
+            if value:
+                return float(value), f"torchrun {flag}"
+    for name in ("PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
+        if os.environ.get(name):
+            return float(os.environ[name]), name
+    return 30.0, "torchrun's default; raise it with TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+
+
 class PreemptionFlag:
     """SIGTERM (torchrun, Kubernetes) and SIGUSR1 (Slurm's --signal before a time limit or preemption)
-    only set a flag; the training loop agrees on it across ranks, saves and exits between steps."""
+    only set a flag; the training loop agrees on it across ranks, saves and exits between steps. The rank
+    that gets the signal says at once what it will do and what is lost if the grace period ends first
+    (the loop keeps `step`, `saved_step` and `step_s` current)."""
 
     def __init__(self) -> None:
         self.signal: int | None = None
+        self.step = 0                     # the step being trained
+        self.saved_step: int | None = None  # the newest checkpoint's step
+        self.step_s: float | None = None  # how long the last step took
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
-        self.signal = signum
+        first, self.signal = self.signal is None, signum
+        if first and not dead_peers():  # a peer died: torchrun is stopping the job, not preempting it
+            line = self.describe(signal.Signals(signum).name, _env_int("RANK", 0), shutdown_grace())
+            os.write(2, (line + "\n").encode())  # no flush of sys.stderr here: it may be mid-write
+
+    def describe(self, name: str, rank: int, grace: tuple[float, str] | None) -> str:
+        """The line a rank prints when the signal reaches it (only os.write: it runs in a signal handler)."""
+        saved = f"step {self.saved_step}" if self.saved_step is not None else "none yet"
+        line = (f"preemption signal {name} (rank {rank}): finishing step {self.step + 1}, then saving; steps since "
+                f"the last checkpoint ({saved}) are lost if ")
+        if grace is None:
+            return line + "this process is killed before that"
+        line += f"the grace period ({grace[0]:g} s, {grace[1]}) ends first"
+        if self.step_s is not None and self.step_s > grace[0]:
+            line += (f"; a step took {self.step_s:.0f} s, longer than the grace period: this step will not finish "
+                     f"and {self.step - (self.saved_step or 0) + 1} steps are lost")
+        return line
 
 
 def any_rank(*flags: bool, device: torch.device) -> list[bool]:

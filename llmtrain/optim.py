@@ -47,6 +47,16 @@ def lr_at(step: int, section: TrainConfig, peak: float) -> float:
     return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def warmup_note(section: TrainConfig) -> str | None:
+    """A warm-up longer than the run ends it before the lr reaches its peak: said at start rather than refused,
+    since a short trial of a long config (train.max_steps=4) is a legitimate thing to run."""
+    if section.warmup_steps <= section.max_steps:
+        return None
+    return (f"warning: train.warmup_steps={section.warmup_steps} is longer than the run (train.max_steps="
+            f"{section.max_steps}): the lr rises to {100 * section.max_steps / section.warmup_steps:.3g}% of its peak "
+            f"and never reaches it; set train.warmup_steps<={section.max_steps} for the full schedule")
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr

@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import yaml
 
+from llmtrain.checkpoint import complete_checkpoints
 from llmtrain.config import Config, ConfigError, DataConfig, to_dict
 from llmtrain.data.sources import is_hub_id
 from llmtrain.utils import hash_sampled
@@ -152,3 +153,16 @@ def check(path: Path, cfg: Config, current: dict, model_config: dict, world_size
                           "checkpoint.resume=never), or list the keys you mean to change in "
                           "checkpoint.allow_changes")
     return [f"resuming with changed settings: {'; '.join(verdict.notes)}"] if verdict.notes else []
+
+
+def check_budget(path: Path, saved_step: int, max_steps: int) -> None:
+    """A train.max_steps below the step of the checkpoint resumed from would train nothing and export that
+    later step's weights as if they were the run's: refused, naming the checkpoint to go back to."""
+    if saved_step <= max_steps:
+        return
+    earlier = [p for step, p in complete_checkpoints(path.parent) if step <= max_steps]
+    back = f", or go back with checkpoint.resume={earlier[-1]}" if earlier else \
+        f" (no checkpoint at or before step {max_steps} to go back to: checkpoint.resume=never starts afresh)"
+    raise ConfigError(f"train.max_steps={max_steps} is below the step of the checkpoint it resumes from ({path}, "
+                      f"step {saved_step}): it would train nothing and export step {saved_step}'s weights. Raise "
+                      f"train.max_steps above {saved_step} to continue{back}")

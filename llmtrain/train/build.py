@@ -90,8 +90,9 @@ def build(cfg: Config, env: distributed.DistEnv, recipe: str, registered: list[R
     if start is not None:
         changed = resume.check(start, cfg, identity, model_config.to_dict(), env.world_size, checkpoint.STATE_FILE,
                                checkpoint.HF_CONFIG_DIR)
-        saved = json.loads((start / checkpoint.STATE_FILE).read_text()).get("base") or {}
-        lora.check_resume(start, saved, base)
+        saved_state = json.loads((start / checkpoint.STATE_FILE).read_text())
+        resume.check_budget(start, saved_state["step"], cfg.train.max_steps)
+        lora.check_resume(start, saved_state.get("base") or {}, base)
     # Resuming: the checkpoint holds every trained weight (LoRA's: the adapters; the base is loaded here).
     policy = build_model(cfg.model, model_config, cfg.parallel, env, cfg.train.seed, cfg.lora, load=start is None)
     model = policy.model

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -68,35 +67,54 @@ def main(argv: list[str] | None, usage: str, config_cls: type[Config],
         return 0
     try:
         cfg = setup(args, config_cls, check)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except ConfigError as e:  # every rank finds it alike: printed once (distributed.error_once)
+        return fail(f"error: {e}", 2, once=True)
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
     try:
         env = distributed.init(cfg.distributed)
     except distributed.PreflightError as e:  # a rank missing or unreachable, named, within the preflight timeout
-        print(f"error: preflight failed: {e}", file=sys.stderr)
-        return 1
+        return fail(f"error: preflight failed: {e}", 1)
     try:
         train(cfg, env)
-        return 0
+        return exit_code(0)
     except Preempted:
-        return distributed.PREEMPTED_EXIT_CODE
+        return exit_code(distributed.PREEMPTED_EXIT_CODE)
     except ConfigError as e:
-        print(f"error (rank {env.rank}): {e}", file=sys.stderr)
-        return 2
+        return fail(f"error: {e}", 2, once=True)
     except Exception as e:
-        report(e, cfg.output_dir, env.rank)
-        return 1
+        line = report(e, cfg.output_dir, env.rank)
+        distributed.tell_launcher(line)
+        return exit_code(1)
     finally:
         lock.release()
         distributed.shutdown()
 
 
-def report(e: Exception, output_dir: str, rank: int) -> None:
-    """One line on the console (an error every rank raises alike, e.g. a checkpoint save's: rank 0's line
+def fail(line: str, code: int, once: bool = False) -> int:
+    """Print the error line (`once`: once for all ranks that print the same), hand it to torchrun for its
+    failure report, and return the exit code."""
+    (distributed.error_once if once else distributed.write_line)(line)
+    distributed.tell_launcher(line)
+    return exit_code(code)
+
+
+def exit_code(code: int) -> int:
+    """This rank's exit code, also appended to the file LLMTRAIN_EXIT_FILE names when set: torchrun exits 1
+    whatever its workers exit with, so a wrapper (slurm/common.sh) reads the ranks' codes there."""
+    if path := os.environ.get("LLMTRAIN_EXIT_FILE"):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            os.write(fd, f"{code}\n".encode())
+            os.close(fd)
+        except OSError as e:
+            distributed.write_line(f"warning: LLMTRAIN_EXIT_FILE {path}: cannot record exit code {code}: {e}")
+    return code
+
+
+def report(e: Exception, output_dir: str, rank: int) -> str:
+    """One line on the console, also returned (an error every rank raises alike, e.g. a checkpoint save's: rank 0's line
     only); the traceback goes to output_dir/errors-rank<R>.log (the console when that cannot be written, e.g.
     on a full disk)."""
     expected = isinstance(e, (FloatingPointError, RunError, checkpoint.SaveError, export.ExportError,
@@ -109,9 +127,15 @@ def report(e: Exception, output_dir: str, rank: int) -> None:
     except OSError:
         traceback.print_exc()
         where = "traceback above"
-    if getattr(e, "collective", False) and rank != 0:
-        return
-    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    summary = str(e) if expected else f"training failed: {type(e).__name__}: {first[:500]}"
-    prefix = "error:" if getattr(e, "collective", False) else f"error (rank {rank}):"
-    print(f"{prefix} {summary} ({where})", file=sys.stderr, flush=True)
+    if lost := distributed.lost_peer(e, rank):  # not gloo's or NCCL's raw text: who, where, what is saved
+        saved = checkpoint.complete_checkpoints(Path(output_dir) / "checkpoints")
+        newest = f"{saved[-1][1]} (a rerun resumes from it)" if saved else "none yet (a rerun starts afresh)"
+        line = f"error: {lost}; newest checkpoint: {newest} ({where})"
+    else:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        summary = str(e) if expected else f"training failed: {type(e).__name__}: {first[:500]}"
+        prefix = "error:" if getattr(e, "collective", False) else f"error (rank {rank}):"
+        line = f"{prefix} {summary} ({where})"
+    if not getattr(e, "collective", False) or rank == 0:
+        distributed.write_line(line)
+    return line

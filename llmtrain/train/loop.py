@@ -36,8 +36,13 @@ def loop(run: Run, source: BatchSource, objective: Objective, evaluate: Callable
                       env.world_size, env.device, run.tokenizer.pad_token_id,
                       *metrics_lib.device_peak_tflops(env.device, cfg.parallel.mixed_precision, cfg.log.peak_tflops))
     metrics.info(perf.describe())
+    if note := optim.warmup_note(cfg.train):
+        metrics.info(note)
     harness = Harness(cfg.eval.harness, cfg.lora)
+    preemption = run.preemption  # what a preemption signal's line says (distributed.PreemptionFlag)
+    preemption.saved_step = state.step if state.step else None  # resumed from that checkpoint
     while state.step < cfg.train.max_steps:
+        preemption.step = state.step
         t0 = time.perf_counter()
         batch = source.next()
         data_wait = time.perf_counter() - t0 - batch.work_s
@@ -53,7 +58,8 @@ def loop(run: Run, source: BatchSource, objective: Objective, evaluate: Callable
         state.tokens_seen += result.n_tokens
         state.skipped_steps += not result.ok
         state.data = source.position()
-        perf.add(batch.micro, time.perf_counter() - t0 - data_wait)
+        preemption.step_s = time.perf_counter() - t0
+        perf.add(batch.micro, preemption.step_s - data_wait)
         metrics.step(result.loss, perf.last_tokens_per_sec)
         last = state.step == cfg.train.max_steps
         if state.step % cfg.log.every_steps == 0 or last:
@@ -72,6 +78,7 @@ def loop(run: Run, source: BatchSource, objective: Objective, evaluate: Callable
                                                 device=env.device)
         if ckpt.due(state.step, timer) or preempted or (last and cfg.checkpoint.every_steps > 0):
             ckpt.save(state)
+            preemption.saved_step = state.step
         if cfg.checkpoint.export_every_steps and state.step % cfg.checkpoint.export_every_steps == 0:
             export(run, f"step_{state.step}")
         if preempted:
