@@ -216,7 +216,7 @@ class TrainConfig:
     scale_lr: bool = False
     """Linear scaling rule: multiply lr by the data-parallel size."""
     warmup_steps: int = ranged("[0, inf)", default=0)
-    """Linear warm-up steps."""
+    """Linear warm-up steps. Longer than train.max_steps: the run ends before the lr peaks (said at start)."""
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """Decay after warm-up."""
     min_lr_ratio: float = ranged("[0, 1]", default=0.0)

@@ -263,26 +263,32 @@ _COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gathe
 
 
 def _exit_status(pid: int) -> str | None:
-    """How a process ended, read from /proc while it is a zombie (not yet reaped by its launcher): 'killed by
-    SIGKILL' / 'exited with code 1'; 'gone' once reaped; None while it runs."""
+    """How a process ended, read from /proc while it is a zombie (not yet reaped by its launcher): 'was killed
+    by SIGKILL' / 'exited with code 1'; 'is gone' once reaped; None while it runs."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return "gone"
+        return "is gone (torchrun's report says how it ended)"
     fields = stat[stat.rindex(")") + 2:].split()
     if fields[0] != "Z":
         return None
-    status = int(fields[49]) if len(fields) > 49 else None  # field 52 of proc(5): the wait status
-    if status is None:
-        return "gone"
+    status = int(fields[49])  # field 52 of proc(5): the wait status
     if status & 0x7F:
-        return f"killed by {signal.Signals(status & 0x7F).name}"
+        return f"was killed by {signal.Signals(status & 0x7F).name}"
     return f"exited with code {status >> 8}"
 
 
 def dead_peers() -> dict[int, str]:
     """{rank: how it ended} of this node's other training processes that are no longer running."""
     return {r: how for r, pid in sorted(_peers.items()) if pid != os.getpid() and (how := _exit_status(pid))}
+
+
+def _repo_path(filename: str) -> str:
+    """llmtrain/... or recipes/... of a source file's path."""
+    for top in ("/llmtrain/", "/recipes/"):
+        if top in filename:
+            return filename[filename.rindex(top) + 1:]
+    return filename
 
 
 def lost_peer(e: BaseException, rank: int) -> str | None:
@@ -302,9 +308,9 @@ def lost_peer(e: BaseException, rank: int) -> str | None:
     frames = traceback.extract_tb(e.__traceback__)
     collective = next((f.name for f in reversed(frames) if f.name in _COLLECTIVES and "distributed" in f.filename),
                       "a collective")
-    ours = next((f for f in reversed(frames) if "/llmtrain/" in f.filename or "/recipes/" in f.filename), None)
-    where = f" in {Path(ours.filename).parent.name}/{Path(ours.filename).name}:{ours.lineno} `{ours.line}`" \
-        if ours else ""
+    ours = next((f for f in reversed(frames) if ("/llmtrain/" in f.filename or "/recipes/" in f.filename)
+                 and "site-packages" not in f.filename), None)
+    where = f" in {_repo_path(ours.filename)}:{ours.lineno} `{ours.line}`" if ours else ""
     verb = "timed out waiting for a peer" if "timed out" in text or "timeout" in text else \
         "lost its connection to a peer"
     return f"rank {rank} {verb} ({who}) at {collective}{where}"
@@ -397,21 +403,24 @@ class PreemptionFlag:
     def _handle(self, signum, frame) -> None:
         first, self.signal = self.signal is None, signum
         if first and not dead_peers():  # a peer died: torchrun is stopping the job, not preempting it
-            line = self.describe(signal.Signals(signum).name, _env_int("RANK", 0), shutdown_grace())
+            line = preemption_line(signal.Signals(signum).name, _env_int("RANK", 0), self.step, self.saved_step,
+                                   self.step_s, shutdown_grace())
             os.write(2, (line + "\n").encode())  # no flush of sys.stderr here: it may be mid-write
 
-    def describe(self, name: str, rank: int, grace: tuple[float, str] | None) -> str:
-        """The line a rank prints when the signal reaches it (only os.write: it runs in a signal handler)."""
-        saved = f"step {self.saved_step}" if self.saved_step is not None else "none yet"
-        line = (f"preemption signal {name} (rank {rank}): finishing step {self.step + 1}, then saving; steps since "
-                f"the last checkpoint ({saved}) are lost if ")
-        if grace is None:
-            return line + "this process is killed before that"
-        line += f"the grace period ({grace[0]:g} s, {grace[1]}) ends first"
-        if self.step_s is not None and self.step_s > grace[0]:
-            line += (f"; a step took {self.step_s:.0f} s, longer than the grace period: this step will not finish "
-                     f"and {self.step - (self.saved_step or 0) + 1} steps are lost")
-        return line
+
+def preemption_line(name: str, rank: int, step: int, saved_step: int | None, step_s: float | None,
+                    grace: tuple[float, str] | None) -> str:
+    """What a rank says when a preemption signal reaches it during step `step` + 1 (see PreemptionFlag)."""
+    saved = f"step {saved_step}" if saved_step is not None else "none yet"
+    line = (f"preemption signal {name} (rank {rank}): finishing step {step + 1}, then saving; steps since the last "
+            f"checkpoint ({saved}) are lost if ")
+    if grace is None:
+        return line + "this process is killed before that"
+    line += f"the grace period ({grace[0]:g} s, {grace[1]}) ends first"
+    if step_s is not None and step_s > grace[0]:
+        line += (f"; a step took {step_s:.0f} s, longer than the grace period: this step will not finish and "
+                 f"{step + 1 - (saved_step or 0)} steps are lost")
+    return line
 
 
 def any_rank(*flags: bool, device: torch.device) -> list[bool]:

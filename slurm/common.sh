@@ -13,6 +13,8 @@
 #   NCCL_DEBUG           not set by us; export NCCL_DEBUG=INFO (or WARN) before sbatch to get it
 #   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds torchrun waits for workers after forwarding a signal
 #                        before SIGKILL   [90: must fit in the 120 s of --signal=B:USR1@120]
+#   LLMTRAIN_EXIT_FILE   an existing file the ranks of this node append their exit codes to   [a mktemp
+#                        file, removed after]: the template exits 2 when a rank refused its input
 
 llmtrain_die() { echo "[llmtrain] error: $*" >&2; exit 2; }
 llmtrain_log() { echo "[llmtrain $(date +%H:%M:%S)] $*"; }
@@ -75,7 +77,10 @@ llmtrain_setup() {
 # workers at once (seen: no checkpoint written). Plain `scancel --signal=USR1` reaches torchrun
 # only: the ranks checkpoint and exit, but this shell never hears of it and does not requeue.
 llmtrain_run_preemptible() {
-    local rc=0
+    local rc=0 codes=
+    # torchrun exits 1 whatever its workers exit with; each rank appends its own code to this file (only where
+    # it exists: the ranks on this node), so the shell can exit with 2 (bad input) or 42 (preempted) itself.
+    export LLMTRAIN_EXIT_FILE=${LLMTRAIN_EXIT_FILE:-$(mktemp "${TMPDIR:-/tmp}/llmtrain-exit.XXXXXX")}
     if (( ! _llmtrain_preempted )); then  # USR1 during setup: nothing trained yet, just requeue
         "$@" &
         _llmtrain_child=$!
@@ -90,6 +95,12 @@ llmtrain_run_preemptible() {
         done
     fi
     trap '' USR1  # training is over either way; a late USR1 must not kill this shell
+    codes=$(sort -u "$LLMTRAIN_EXIT_FILE" 2>/dev/null | tr '\n' ' ') || true
+    rm -f "$LLMTRAIN_EXIT_FILE"
+    if (( rc != 0 )) && [[ " $codes" == *" 2 "* ]]; then
+        llmtrain_log "a rank refused its input (exit 2; the error line above says why): exiting 2"
+        return 2
+    fi
     if (( _llmtrain_preempted )); then
         if (( rc == 0 )) && [[ -n ${_llmtrain_child} ]]; then
             llmtrain_log "got SIGUSR1 but training finished (rc 0): not requeueing"
@@ -103,6 +114,11 @@ llmtrain_run_preemptible() {
             llmtrain_log "preempted (launcher rc $rc); not a Slurm job, so nothing to requeue"
         fi
         exit "$PREEMPT_EXIT_CODE"
+    fi
+    if (( rc != 0 )) && [[ " $codes" == *" $PREEMPT_EXIT_CODE "* ]]; then
+        # The ranks were signalled directly (not through this shell): they saved; say so with the code.
+        llmtrain_log "the ranks saved a checkpoint and exited $PREEMPT_EXIT_CODE (signalled, not through this shell)"
+        return "$PREEMPT_EXIT_CODE"
     fi
     return "$rc"
 }

@@ -287,9 +287,8 @@ def test_corrupt_checkpoints_are_skipped_kept_and_named(tmp_path, fsdp2_run):
                 nproc=2)
     res = finish(bad, timeout=240)
     assert re.search(r"exitcode\s*:\s*2", res.stderr), res.stderr[-3000:]
-    for rank in (0, 1):
-        assert f"error (rank {rank}): checkpoint.resume: {explicit} fails verification: rng_rank0.json has " \
-               "changed since it was saved" in res.stderr, res.stderr[-3000:]
+    refused = f"error: checkpoint.resume: {explicit} fails verification: rng_rank0.json has changed since it was saved"
+    assert len([line for line in res.stderr.splitlines() if line.startswith(refused)]) == 1, res.stderr[-3000:]
     res = finish(auto, timeout=240)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resumed at step 3" in res.stdout

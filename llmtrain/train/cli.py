@@ -101,15 +101,16 @@ def fail(line: str, code: int, once: bool = False) -> int:
 
 
 def exit_code(code: int) -> int:
-    """This rank's exit code, also appended to the file LLMTRAIN_EXIT_FILE names when set: torchrun exits 1
-    whatever its workers exit with, so a wrapper (slurm/common.sh) reads the ranks' codes there."""
+    """This rank's exit code, also appended to the file LLMTRAIN_EXIT_FILE names when it exists (the wrapper
+    made it on its node; ranks on other nodes find none): torchrun exits 1 whatever its workers exit with, so a
+    wrapper (slurm/common.sh) reads the ranks' codes there."""
     if path := os.environ.get("LLMTRAIN_EXIT_FILE"):
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND)
             os.write(fd, f"{code}\n".encode())
             os.close(fd)
-        except OSError as e:
-            distributed.write_line(f"warning: LLMTRAIN_EXIT_FILE {path}: cannot record exit code {code}: {e}")
+        except OSError:
+            pass  # not on this node
     return code
 
 
