@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from helpers import RECIPE, TINY, launcher
+from llmtrain.distributed import launcher_children
 
 BIN = launcher.BIN  # where torchrun, lm_eval, accelerate are
 
@@ -46,17 +47,7 @@ def launch(args: list[str], nproc: int = 1, timeout: float = 240, env: dict | No
 
 def worker_pids(launcher_pid: int) -> dict[int, int]:
     """{rank: pid} of the training processes below a torchrun process."""
-    pids = {}
-    for task in Path(f"/proc/{launcher_pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            try:
-                env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            for item in env:
-                if item.startswith(b"RANK="):
-                    pids[int(item[5:])] = int(child)
-    return pids
+    return launcher_children(launcher_pid)
 
 
 def wait_for_step(output_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> int:
