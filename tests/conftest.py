@@ -64,7 +64,7 @@ def _no_process_group(*args, **kwargs):
 
 
 @pytest.fixture
-def run_setup(monkeypatch, capsys):
+def run_setup(monkeypatch, capfd):
     """run_setup(script, *args, world_size=1) -> (exit code, stdout, stderr): the script run in this process
     as `python script args` runs it (sys.argv, its __main__ block, exit code through distributed.hard_exit),
     as rank 0 of `world_size` would (WORLD_SIZE), for set-up errors: it must stop before its process group. A
@@ -84,10 +84,10 @@ def run_setup(monkeypatch, capsys):
         monkeypatch.setattr(distributed, "init", _no_process_group)
         for name, value in (("WORLD_SIZE", world_size), ("RANK", 0), ("LOCAL_RANK", 0)):
             monkeypatch.setenv(name, str(value))
-        capsys.readouterr()
+        capfd.readouterr()
         with pytest.raises(_Exit) as exited:
             runpy.run_path(str(script), run_name="__main__")
-        out, err = capsys.readouterr()
+        out, err = capfd.readouterr()  # fd-level: errors are written with os.write (distributed.write_line)
         return exited.value.code, out, err
 
     return run
