@@ -1,6 +1,6 @@
-"""`python -m llmtrain.data` for every recipe (issue 25 §4): it takes any recipe's config (its own sections, found
-by them or named by --recipe) and shows every rows kind's parts from the data registry (Rows.parts), with their
-trained spans; in process (no launch)."""
+"""`python -m llmtrain.data` for every recipe (issue 25 §4, issue 32 §1): it takes any recipe's config (found by
+its own sections) and shows every rows kind's parts from the data registry (Rows.parts), with their trained spans,
+and a prompt's columns; every demo config is inspected; in process (no launch)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import json
 
 from helpers import REPO, TINY
 from llmtrain.data import IGNORE
-from llmtrain.data.__main__ import _parts, config_class, main
-from llmtrain.data.formats import RowPart, Rows
+from llmtrain.data.__main__ import config_class, main
 from llmtrain.recipes.dpo import DPOConfig
 
 DPO_YAML = REPO / "configs" / "demo-dpo.yaml"
@@ -69,7 +68,49 @@ def test_the_recipe_is_found_by_its_sections_or_named(tmp_path, capsys):
     assert rc == 2 and "the section(s) nosuchrecipe" in err and "dpo, grpo" in err
 
 
-def test_a_rows_kind_without_parts_is_shown_by_its_token_columns():
-    prompts = Rows("prompts", lambda *a: {}, {"prompt_ids": [], "truncated": False}, packs=False)
-    assert _parts(prompts, {"prompt_ids": [5, 6, 7], "truncated": False}) == \
-        [RowPart("prompt_ids", [5, 6, 7], [IGNORE] * 3)]
+# Every demo config, as its recipe reads it: (rows kind, the summary's last line). The SFT demo's export
+# (model.path outputs/demo/hf, which the other demos start from) carries the bundled tokenizer.
+DEMO_DATA = {
+    "demo.yaml": ("tokens", "--- 3000 examples -> 1135 rows of 256 tokens; 286055 trained tokens; "
+                            "packing efficiency 99.9%; 0 truncated; 0 skipped"),
+    "demo-lora.yaml": ("tokens", "--- 600 examples -> 297 rows of 256 tokens; 10533 trained tokens; "
+                                 "packing efficiency 76.7%; 0 truncated; 0 skipped"),
+    "demo-dpo.yaml": ("pairs", "--- 1000 examples -> 1000 pairs; 20825 trained tokens; 0 truncated; 0 skipped"),
+    "demo-grpo.yaml": ("prompts", "--- 128 examples -> 128 prompts; 0 trained tokens; 0 truncated; 0 skipped"),
+}
+
+
+def test_every_demo_config_is_inspected(capsys):
+    assert set(DEMO_DATA) == {p.name for p in (REPO / "configs").glob("demo*.yaml")}, "a new demo config: add it"
+    for name, (kind, last) in DEMO_DATA.items():
+        config = REPO / "configs" / name
+        rc, out, err = inspect(capsys, "--config", config, "--n", "1", TOKENIZER)
+        assert rc == 0, f"{name}: {err}"
+        assert out.splitlines()[-1] == last, name
+        rc, out, err = inspect(capsys, "--config", config, "--json", "--n", "2", TOKENIZER)
+        assert rc == 0, f"{name}: {err}"
+        summary = json.loads(out)
+        assert summary["rows_kind"] == kind and len(summary["samples"]) == 2, name
+
+
+def test_a_prompt_is_shown_untrained_with_the_columns_its_rewards_read(capsys):
+    rc, out, err = inspect(capsys, "--config", REPO / "configs" / "demo-grpo.yaml", "--json", "--n", "1", TOKENIZER)
+    assert rc == 0, err
+    (sample,) = json.loads(out)["samples"]
+    (prompt,) = sample["parts"]
+    assert prompt["name"] == "prompt" and set(prompt["labels"]) == {IGNORE} and len(prompt["input_ids"]) == 14
+    assert prompt["text"] == "Anna had one hat. Lena gave her five hats. Now Anna has"
+    assert sample["columns"] == {"answer": "six", "format": "(?s)\\s*\\w+ hats\\b.*"}
+    rc, out, _ = inspect(capsys, "--config", REPO / "configs" / "demo-grpo.yaml", "--n", "1", TOKENIZER)
+    assert out.splitlines()[:3] == ["--- row 0 prompt: 14 tokens, 0 trained",
+                                    "Anna had one hat. Lena gave her five hats. Now Anna has",
+                                    '--- row 0 columns: {"answer": "six", "format": "(?s)\\\\s*\\\\w+ hats\\\\b.*"}']
+
+
+def test_a_missing_model_path_is_one_line_naming_it(capsys, tmp_path):
+    rc, out, err = inspect(capsys, "--config", REPO / "configs" / "demo-grpo.yaml",
+                           f"model.path={tmp_path / 'hf'}")
+    assert rc == 2 and out == ""
+    assert err.splitlines() == [f"error: model.path: no such directory: {tmp_path / 'hf'} (the tokenizer is read "
+                                "from it: run what writes it first (configs/demo.yaml writes outputs/demo/hf), "
+                                "or set tokenizer.path)"]

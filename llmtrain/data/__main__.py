@@ -2,11 +2,11 @@
 
     python -m llmtrain.data --config configs/X.yaml [key=value ...] [--n 3] [--json]
 
-Prints rendered rows with the trained-on tokens marked (green on a terminal, [[...]] otherwise): every part of a
-row as its rows kind names them (data.FORMATS' Rows.parts: a packed row; a preference pair's prompt, chosen and
-rejected), token counts, truncation and packing statistics; --json prints a machine-readable summary. The
-config's class is the recipe's (llmtrain.recipes.RECIPES) whose own sections (dpo:, grpo:) the file or the
-overrides set."""
+Prints rendered rows with the trained-on tokens marked (green on a terminal, [[...]] otherwise): every part of a row
+as its rows kind names them (data.FORMATS' Rows.parts: a packed row; a preference pair's prompt, chosen and
+rejected; a prompt, with the columns its reward functions receive), token counts, truncation and packing statistics;
+--json prints a machine-readable summary. The config's class is the recipe's (llmtrain.recipes.RECIPES) whose own
+sections (dpo:, grpo:) the file or the overrides set."""
 
 from __future__ import annotations
 
@@ -21,8 +21,7 @@ import yaml
 
 from llmtrain.config import Config, ConfigError, load_config, parse_overrides
 from llmtrain.data import IGNORE, build, check, plural, rows_kind
-from llmtrain.data.formats import RowPart, Rows
-from llmtrain.models.hf import load_tokenizer
+from llmtrain.models.hf import check_dir, load_tokenizer
 from llmtrain.recipes import RECIPES
 
 def render(ids: list[int], labels: list[int], tokenizer, colour: bool) -> str:
@@ -58,13 +57,6 @@ def _own_sections() -> set[str]:
     return {f.name for r in RECIPES.values() for f in dataclasses.fields(r.config_cls)} - base
 
 
-def _parts(kind: Rows, row: dict) -> list[RowPart]:
-    if kind.parts is not None:
-        return kind.parts(row)
-    return [RowPart(name, list(map(int, row[name])), [IGNORE] * len(row[name]))
-            for name, empty in kind.empty.items() if isinstance(empty, list)]
-
-
 def summarize(cfg: Config, n: int) -> dict:
     tokenizer = load_tokenizer(cfg.tokenizer.path or cfg.model.path, cfg.model.trust_remote_code)
     kind = rows_kind(cfg.data)
@@ -75,7 +67,7 @@ def summarize(cfg: Config, n: int) -> dict:
     scanned = rows if not cfg.data.streaming else list(itertools.islice(rows.rows(0), 1000))
     num_tokens = trained = real = 0
     for row in scanned:
-        for part in _parts(kind, row):
+        for part in kind.parts(row):
             num_tokens += len(part.ids)
             trained += sum(1 for x in part.labels if x != IGNORE)
         if kind.packs:  # the first token's label never carries a loss (nothing predicts it)
@@ -85,9 +77,10 @@ def summarize(cfg: Config, n: int) -> dict:
     samples = []
     for row in sample_rows:
         parts = [{"name": p.name, "input_ids": p.ids, "labels": p.labels,
-                  "text": render(p.ids, p.labels, tokenizer, False)} for p in _parts(kind, row)]
-        samples.append({"parts": parts, "text": "\n".join(f"{p['name']}: {p['text']}" if p["name"] else p["text"]
-                                                          for p in parts)})
+                  "text": render(p.ids, p.labels, tokenizer, False)} for p in kind.parts(row)]
+        sample = {"parts": parts, "text": "\n".join(f"{p['name']}: {p['text']}" if p["name"] else p["text"]
+                                                    for p in parts)}
+        samples.append(sample | ({"columns": kind.shown(row)} if kind.shown else {}))
     return {
         "rows_kind": kind.name,
         "samples": samples,
@@ -123,6 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides, config_class(args.config, args.overrides))
         check(cfg.data)
+        if cfg.tokenizer.path is None:  # the tokenizer is read from model.path: say which run writes it
+            try:
+                check_dir("model.path", cfg.model.path)
+            except ConfigError as e:
+                raise ConfigError(f"{e} (the tokenizer is read from it: run what writes it first (configs/demo.yaml "
+                                  "writes outputs/demo/hf), or set tokenizer.path)") from None
+        check_dir("tokenizer.path", cfg.tokenizer.path)
         summary = summarize(cfg, args.n)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             name = f" {part['name']}" if part["name"] else ""
             print(f"--- row {i}{name}: {plural(len(part['input_ids']), 'token')}, {trained} trained")
             print(render(part["input_ids"], part["labels"], tokenizer, colour))
+        if "columns" in sample:
+            print(f"--- row {i} columns: {json.dumps(sample['columns'], ensure_ascii=False)}")
     packing = "" if summary["packing_efficiency"] is None else \
         f"; packing efficiency {summary['packing_efficiency']:.1%}"
     unit = "row" if packing else summary["rows_kind"].removesuffix("s")  # a pair, a prompt: one example each

@@ -151,14 +151,16 @@ class Rows:
     packs: bool
     """Examples are (input_ids, labels), packed or padded into rows of data.seq_len by packing.py (so they can
     also stream); else each example is a row of its own and `collate` pads a micro-batch of them."""
+    parts: Callable[[dict], list[RowPart]]
+    """A stored row -> its named token sequences with their trained spans, for `python -m llmtrain.data`."""
     collate: Callable[[list[dict], int], dict[str, torch.Tensor]] | None = None
     """(rows, pad id) -> a micro-batch; None: the rows have one length and are stacked as they are."""
     index: str | None = None
     """A column numbering the training rows, carried into their batches (pairs: precomputed reference
     log-probs are looked up by it, llmtrain/reference_cache.py)."""
-    parts: Callable[[dict], list[RowPart]] | None = None
-    """A stored row -> its named token sequences with their trained spans, for `python -m llmtrain.data`;
-    None: every token column of `empty` is shown as it is, untrained."""
+    shown: Callable[[dict], dict] | None = None
+    """A stored row -> its other columns `python -m llmtrain.data` prints beside its tokens (a prompt's columns,
+    which reach the reward functions)."""
 
 
 class RowPart(NamedTuple):
@@ -229,14 +231,21 @@ def _pair_parts(row: dict) -> list[RowPart]:
             RowPart("rejected", rejected, rejected)]
 
 
+def _prompt_parts(row: dict) -> list[RowPart]:
+    """A prompt conditions the completions and trains nothing itself."""
+    ids = list(map(int, row["input_ids"]))
+    return [RowPart("prompt", ids, [IGNORE] * len(ids))]
+
+
 TOKENS = Rows("tokens", _token_columns, {"input_ids": [], "labels": [], "split": False, "truncated": False},
               packs=True, parts=lambda row: [RowPart("", list(map(int, row["input_ids"])),
                                                      list(map(int, row["labels"])))])
 PAIRS = Rows("pairs", _pair_columns, {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "truncated": False},
-             packs=False, collate=_collate_pair_rows, index=PAIR_INDEX, parts=_pair_parts)
+             packs=False, parts=_pair_parts, collate=_collate_pair_rows, index=PAIR_INDEX)
 PROMPTS = Rows("prompts", _prompt_columns, {"input_ids": [], "labels": [], "position_ids": [], "prompt_json": "null",
                                             "columns_json": "{}", "truncated": False},
-               packs=False, collate=_collate_prompts, index=PROMPT_INDEX)
+               packs=False, parts=_prompt_parts, collate=_collate_prompts, index=PROMPT_INDEX,
+               shown=lambda row: json.loads(row["columns_json"]))
 
 FORMATS: dict[str, Format] = {f.name: f for f in (
     Format("text", encode_text, TOKENS, splits=True),

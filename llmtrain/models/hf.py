@@ -37,18 +37,23 @@ CAUSAL_LM_CLASS = re.compile(r"(ForCausalLM|LMHeadModel)$")
 def check_paths(section: ModelConfig, tokenizer_path: str | None) -> None:
     """Fail before any process group exists when a named local directory is missing."""
     for key, path in (("model.path", section.path), ("tokenizer.path", tokenizer_path)):
-        if path is None:
-            continue
-        local = Path(path)
-        looks_local = local.is_absolute() or path.startswith(".") or local.exists() or path.count("/") != 1
-        if looks_local and not local.is_dir():
-            raise ConfigError(f"{key}: no such directory: {path}")
+        check_dir(key, path)
     if section.path is not None and Path(section.path).is_dir():
         if not (Path(section.path) / "config.json").is_file():
             raise ConfigError(f"model.path: {section.path} has no config.json (not a Hugging Face model directory)")
         check_causal_lm(section.path)
         check_not_quantized(section.path)
         check_weights(Path(section.path))
+
+
+def check_dir(key: str, path: str | None) -> None:
+    """A path that names a local directory (not a hub id such as org/name) must be one."""
+    if path is None:
+        return
+    local = Path(path)
+    looks_local = local.is_absolute() or path.startswith(".") or local.exists() or path.count("/") != 1
+    if looks_local and not local.is_dir():
+        raise ConfigError(f"{key}: no such directory: {path}")
 
 
 def check_causal_lm(path: str) -> None:
