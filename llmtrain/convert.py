@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from llmtrain.checkpoint import HF_CONFIG_DIR, STATE_FILE, is_complete, verify
 from llmtrain.config import ConfigError, load_config
-from llmtrain.export import write_adapter, write_hf
+from llmtrain.export import LORA_OUTPUTS, write_adapter, write_hf
 from llmtrain.models import lora, nf4
 from llmtrain.models.hf import build_meta_model
 from llmtrain.utils import DTYPES
@@ -44,16 +44,23 @@ class CheckpointModel:
     lora: bool
 
 
+def is_lora(ckpt: Path) -> bool:
+    """Whether a checkpoint holds LoRA adapters only; CheckpointError when it is missing or incomplete."""
+    if not ckpt.exists():
+        raise CheckpointError(f"{ckpt}: no such checkpoint (they are output_dir/checkpoints/step_<N>)")
+    if not is_complete(ckpt):
+        raise CheckpointError(f"{ckpt} is not a complete llmtrain checkpoint (no {STATE_FILE} or .metadata)")
+    return bool(json.loads((ckpt / STATE_FILE).read_text()).get("base"))
+
+
 def read_checkpoint(ckpt: Path, dtype: str) -> CheckpointModel:
     from transformers import AutoConfig, AutoTokenizer
 
-    if not is_complete(ckpt):
-        raise CheckpointError(f"{ckpt} is not a complete llmtrain checkpoint (no {STATE_FILE} or .metadata)")
+    lora = is_lora(ckpt)
     if problems := verify(ckpt):
         raise CheckpointError(f"{ckpt} fails verification: {'; '.join(problems[:3])}")
     reader = dcp.FileSystemReader(str(ckpt))
     meta = reader.read_metadata().state_dict_metadata
-    lora = bool(json.loads((ckpt / STATE_FILE).read_text()).get("base"))
     # A LoRA checkpoint holds its adapters in fp32 (they are merged in fp32, then cast).
     state = {key: torch.empty(m.size, dtype=torch.float32 if lora else DTYPES[dtype]) for key, m in meta.items()
              if key.startswith(PREFIX) and isinstance(m, TensorStorageMetadata)}
@@ -92,40 +99,40 @@ def merged_lora(cfg, trained: dict[str, torch.Tensor], config) -> dict[str, torc
     return lora.merge(base, trained, cfg.lora)
 
 
-def convert(ckpt: Path, out: Path, dtype: str, max_shard_size: str) -> list[Path]:
-    try:
-        model = read_checkpoint(ckpt, dtype)
-        if not model.lora:
-            write_hf(model.weights, out, model.config, model.tokenizer, DTYPES[dtype], max_shard_size)
-            return [out]
-        return _convert_lora(ckpt, model, out, dtype, max_shard_size)
-    except CheckpointError as e:
-        raise SystemExit(f"error: {e}") from None
-
-
-def _convert_lora(ckpt: Path, model: CheckpointModel, out: Path, dtype: str, max_shard_size: str) -> list[Path]:
-    """A LoRA checkpoint has the adapters only: as lora.export says, out/adapter (PEFT) and/or out/hf, the
-    base from model.path (the fingerprint recorded at training time must match) with the adapters merged."""
-    cfg = lora_config(ckpt)
-    written = []
-    if cfg.lora.export in ("adapter", "both"):
+def convert(ckpt: Path, out: Path, dtype: str, max_shard_size: str, overwrite: bool = False) -> list[Path]:
+    """The checkpoint's export written to `out` (a LoRA checkpoint's to out/adapter and/or out/hf, as its
+    lora.export says). A directory written there already is replaced only with `overwrite`: refused (before the
+    checkpoint is read) otherwise. CheckpointError names what is wrong."""
+    cfg = lora_config(ckpt) if is_lora(ckpt) else None
+    targets = [out] if cfg is None else [out / name for name in LORA_OUTPUTS[cfg.lora.export]]
+    if not overwrite and (taken := [t for t in targets if t.exists() and (not t.is_dir() or any(t.iterdir()))]):
+        raise CheckpointError(f"{taken[0]} exists: pass --overwrite to replace it")
+    model = read_checkpoint(ckpt, dtype)
+    if cfg is None:
+        write_hf(model.weights, out, model.config, model.tokenizer, DTYPES[dtype], max_shard_size)
+        return targets
+    if "adapter" in LORA_OUTPUTS[cfg.lora.export]:
         write_adapter(model.weights, out / "adapter", cfg.lora, cfg.model.path)
-        written.append(out / "adapter")
-    if cfg.lora.export in ("merged", "both"):
+    if "hf" in LORA_OUTPUTS[cfg.lora.export]:
         write_hf(merged_lora(cfg, model.weights, model.config), out / "hf", model.config, model.tokenizer,
                  DTYPES[dtype], max_shard_size)
-        written.append(out / "hf")
-    return written
+    return targets
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m llmtrain.convert", description=__doc__.splitlines()[0])
     p.add_argument("checkpoint", type=Path, help="output_dir/checkpoints/step_<N>")
-    p.add_argument("out", type=Path, help="directory to write (replaced atomically if it exists)")
+    p.add_argument("out", type=Path, help="directory to write (an existing one only with --overwrite)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--max-shard-size", default="5GB")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT (atomically) if it exists")
     args = p.parse_args(argv)
-    for path in convert(args.checkpoint, args.out, args.dtype, args.max_shard_size):
+    try:
+        written = convert(args.checkpoint, args.out, args.dtype, args.max_shard_size, args.overwrite)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for path in written:
         print(f"wrote {path}")
     return 0
 

@@ -26,6 +26,8 @@ from llmtrain.models.names import peft_key
 from llmtrain.parallelize import Strategy
 from llmtrain.utils import free_bytes, megabytes, no_space, publish
 
+# The directories a LoRA export writes, by lora.export: adapter (PEFT) and/or hf (merged).
+LORA_OUTPUTS = {"adapter": ("adapter",), "merged": ("hf",), "both": ("adapter", "hf")}
 RETRY_S = 10.0  # between two tries of an export that did not fit
 
 
@@ -115,7 +117,7 @@ def written(write: Callable[[], None] | None, out: Path, size: int, wait_minutes
                     outcome = [f"no space left on device in {out.parent}: the export {out.name} (about "
                                f"{megabytes(size)}) could not be written ({megabytes(free_bytes(out))} free after "
                                f"waiting {wait_minutes:g} minutes, checkpoint.export_wait_minutes); the partial "
-                               f"{out.name}.tmp was removed, and the trained weights are not on disk"]
+                               f"{out.name}.tmp was removed"]
         agreed = _agree(outcome)
         if agreed != "retry":
             break
@@ -167,13 +169,13 @@ def export_lora(model: nn.Module, strategy: Strategy, device: torch.device, outp
     """Collective. output_dir/adapter[/step_dir] (PEFT) and/or output_dir/hf[/step_dir] (merged), as
     lora.export says; returns what was written."""
     written_dirs, main = [], dist.get_rank() == 0
-    if section.export in ("adapter", "both"):
+    if "adapter" in LORA_OUTPUTS[section.export]:
         adapters = strategy.full_weights(model, device, trainable_only=True)
         out = output_dir / "adapter" / step_dir
         written((lambda: write_adapter(adapters, out, section, base_path)) if main else None, out,
                 _bytes(adapters, torch.float32), wait_minutes)
         written_dirs.append(out)
-    if section.export in ("merged", "both"):
+    if "hf" in LORA_OUTPUTS[section.export]:
         state = hf_state(model, strategy, device, section)
         out = output_dir / "hf" / step_dir
         written((lambda: write_hf(dict(state), out, model_config, tokenizer, dtype, max_shard_size)) if main else None,

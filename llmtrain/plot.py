@@ -3,9 +3,11 @@
     python -m llmtrain.plot OUTPUT_DIR [--out curves.png]      # default: OUTPUT_DIR/curves.png
 
 Always: loss and val_loss, learning rate, throughput (tokens/s, MFU or TFLOP/s) and gradient norm. Then a
-panel for each group of keys (PANELS) that the file holds, whichever recipe wrote it: DPO's rewards/*
-and logps/*, GRPO's reward, reward_std and kl, harness/<task>/<metric> scores, val_ppl. A key's validation
-curve (val_<key>) is dashed on its panel; other val_* keys share a Validation panel.
+panel for every other key the file holds, whichever recipe wrote it: a known key on its recipe's panel (PANELS:
+DPO's implicit rewards and log-probs, GRPO's rewards, completion lengths, clipped ratios and generation time,
+harness/<task>/<metric> scores, perplexity), any other with the keys that share its prefix (`name/...`), or
+alone. A key's validation curve (val_<key>) is dashed on its panel. The run's bookkeeping (BOOKKEEPING: step
+times, memory, token counts) stays in the file.
 
 Training records (loss, ...) and evaluation records (val_loss, ...) may come in any mix; a resumed
 run logs the steps after its checkpoint again, and the last record of a step wins."""
@@ -16,24 +18,32 @@ import argparse
 import importlib.util
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from typing import NamedTuple
 
 METRICS_FILE = "metrics.jsonl"  # llmtrain.metrics.METRICS_FILE (not imported: no torch needed here)
 
-# Panels after the four fixed ones, by key: (title, names). A name ending in "/" takes every key under it;
-# a key goes to the first panel that names it, and val_<key> goes with <key>.
+FIXED = {"loss", "lr", "tokens_per_sec", "mfu", "tflops", "grad_norm"}  # the four fixed panels' keys
+BOOKKEEPING = {"trained_tokens", "skipped_steps", "data_wait_s", "elapsed_s", "tokens_per_sec_per_device",
+               "step_time_s", "step_time_max_min", "mem_gb", "mem_reserved_gb"}
+# The panels of the keys recipes log, in the order drawn: (title, a pattern a key fully matches); a key goes to
+# the first panel that matches it, and val_<key> goes with <key>.
 PANELS = (
-    ("Preference accuracy", ("rewards/accuracies",)),
-    ("Rewards", ("rewards/",)),
-    ("Log-probs", ("logps/",)),
-    ("Reward", ("reward", "reward_std")),
-    ("KL", ("kl",)),
-    ("Harness scores", ("harness/",)),
-    ("Perplexity", ("ppl",)),
+    ("Preference accuracy (DPO)", r"rewards/accuracies"),
+    ("Implicit rewards (DPO)", r"rewards/[^/]+"),
+    ("Log-probs (DPO)", r"logps/.+"),
+    ("Rewards: total and per function (GRPO)", r"reward|reward_std|rewards/.+/.+"),
+    ("Groups with zero reward std, truncated completions (GRPO)", r"frac_reward_zero_std|completions/clipped_ratio"),
+    ("Completion length, tokens (GRPO)", r"completions/.+"),
+    ("Clipped token fraction (GRPO)", r"clip_ratio/.+"),
+    ("KL to the reference", r"kl"),
+    ("Generation seconds per step (GRPO)", r"generation_s"),
+    ("Generated tokens/s (GRPO)", r"generated_tokens_per_s"),
+    ("Harness scores", r"harness/.+"),
+    ("Perplexity", r"ppl"),
 )
-VALIDATION = "Validation"  # the panel of val_* keys that PANELS does not name (val_loss is on the loss panel)
 
 
 def read_records(path: Path) -> list[dict]:
@@ -73,19 +83,23 @@ class Panel(NamedTuple):
     keys: list[str]  # in the file's order, training keys before validation (val_) ones
 
 
+def _title(key: str) -> str:
+    """A key's panel: the first of PANELS it matches, else its prefix's (`name/*`), else its own."""
+    title = next((title for title, pattern in PANELS if re.fullmatch(pattern, key)), None)
+    return title or (f"{key.split('/')[0]}/*" if "/" in key else key)
+
+
 def panels(records: list[dict]) -> list[Panel]:
-    """The PANELS (and VALIDATION) panels that the records have numbers for, in PANELS' order."""
+    """A panel for every key the records have numbers for, but the fixed panels' and the bookkeeping: PANELS
+    first, in their order, then the others in the file's order."""
     found: dict[str, list[str]] = {}
-    for key in dict.fromkeys(k for r in records for k, v in r.items() if _number(v)):
+    for key in dict.fromkeys(k for r in records for k, v in r.items() if _number(v) and k != "step"):
         base = key.removeprefix("val_")
-        title = next((title for title, names in PANELS
-                      if any(base == n or (n.endswith("/") and base.startswith(n)) for n in names)), None)
-        if title is None and base != key and base != "loss":
-            title = VALIDATION
-        if title is not None:
-            found.setdefault(title, []).append(key)
-    order = [title for title, _ in PANELS] + [VALIDATION]
-    return [Panel(t, sorted(found[t], key=lambda k: k.startswith("val_"))) for t in order if t in found]
+        if base not in FIXED | BOOKKEEPING:
+            found.setdefault(_title(base), []).append(key)
+    known = [title for title, _ in PANELS if title in found]
+    order = known + [t for t in found if t not in known]
+    return [Panel(t, sorted(found[t], key=lambda k: k.startswith("val_"))) for t in order]
 
 
 def plot(records: list[dict], out: Path, title: str) -> None:

@@ -22,7 +22,8 @@ from helpers.procs import (TWO_RANKS, finish, launch, losses, losses_by_step, re
                            wait_for_step, worker_pids)
 from llmtrain.checkpoint import check_writable, complete_checkpoints
 from llmtrain.config import ConfigError
-from llmtrain.convert import convert
+from llmtrain.convert import CheckpointError, convert
+from llmtrain.convert import main as convert_main
 
 TOL = 2e-5
 SIX = ("train.max_steps=6", "checkpoint.every_steps=3")
@@ -143,15 +144,27 @@ def test_converter_matches_the_export(tmp_path, fsdp2_run):
     assert converted.keys() == exported.keys()
     for name, tensor in exported.items():
         assert torch.equal(converted[name], tensor), name
-    bf16 = tmp_path / "bf16"
-    res = launch(["-m", "llmtrain.convert", fsdp2_run / "checkpoints" / "step_3", bf16, "--dtype", "bf16"],
-                 torchrun=False, timeout=120)
+    # An existing OUT is replaced only when asked (issue 32 §12), wholly: no fp32 shard is left beside the bf16 file.
+    bf16 = ["-m", "llmtrain.convert", fsdp2_run / "checkpoints" / "step_3", out, "--dtype", "bf16"]
+    res = launch(bf16, torchrun=False, timeout=120)
+    assert res.returncode == 2 and res.stderr.splitlines() == [f"error: {out} exists: pass --overwrite to replace it"]
+    assert sorted(out.glob("model-*.safetensors")) == shards
+    res = launch([*bf16, "--overwrite"], torchrun=False, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
+    assert not list(out.glob("model-*.safetensors")) and (out / "model.safetensors").is_file()
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(bf16)
+    model = AutoModelForCausalLM.from_pretrained(out)
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert torch.allclose(model.model.embed_tokens.weight.float(), exported["model.embed_tokens.weight"], atol=1e-2)
+
+
+def test_converting_a_missing_checkpoint_says_it_does_not_exist(tmp_path, capsys):
+    assert convert_main([str(tmp_path / "step_9"), str(tmp_path / "out")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [
+        f"error: {tmp_path / 'step_9'}: no such checkpoint (they are output_dir/checkpoints/step_<N>)"]
+    assert not (tmp_path / "out").exists()
 
 
 def test_resume_path_must_be_a_complete_checkpoint(tmp_path, run_setup):
@@ -300,5 +313,5 @@ def test_corrupt_checkpoints_are_skipped_kept_and_named(tmp_path, fsdp2_run):
                                                                                       abs=TOL)
     assert sorted(p.name for p in ck.iterdir()) == ["step_3", "step_6", "step_6.corrupt", "step_9.corrupt"]
     assert (ck / "step_6.corrupt" / "__1_0.distcp").stat().st_size == 100
-    with pytest.raises(SystemExit, match=r"step_6.corrupt fails verification: __1_0.distcp is 100 bytes"):
+    with pytest.raises(CheckpointError, match=r"step_6.corrupt fails verification: __1_0.distcp is 100 bytes"):
         convert(ck / "step_6.corrupt", tmp_path / "hf", "fp32", "5GB")  # the offline converter verifies too

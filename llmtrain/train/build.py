@@ -190,10 +190,10 @@ def export(run: Run, step_dir: str) -> list[Path]:
     except export_lib.ExportError as e:
         saved = checkpoint.complete_checkpoints(run.ckpt.root)
         if not saved:
-            raise
+            raise export_lib.ExportError(f"{e}; no checkpoint holds the trained weights: they are lost") from None
         step, path = saved[-1]
-        raise export_lib.ExportError(f"{e}; checkpoint {path} holds the weights of step {step}: `python -m "
-                                     f"llmtrain.convert {path} OUT` writes the export from it") from None
+        raise export_lib.ExportError(f"{e}; the newest checkpoint, {path}, holds the weights of step {step}: "
+                                     f"`python -m llmtrain.convert {path} OUT` writes the export from it") from None
 
 
 class Reference(NamedTuple):
