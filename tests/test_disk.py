@@ -112,9 +112,11 @@ def test_final_export_on_a_full_disk_ends_with_the_same_clear_error_on_every_ran
     assert res.returncode == 1
     assert f"warning: output_dir {out} has 3.0 MiB free, but the run writes the export about 5.0 MiB" in res.stdout
     line = first_error(res.stderr)
-    assert line.startswith(f"error: no space left on device in {out}: the export hf (about 5.0 MiB) could not ")
-    assert "could not be written (3.0 MiB free after waiting 0.05 minutes" in line
-    assert "the partial hf.tmp was removed, and the trained weights are not on disk" in line
+    # Where the weights are is said once (issue 32 §13): here no checkpoint holds them.
+    assert line == (f"error: no space left on device in {out}: the export hf (about 5.0 MiB) could not be written "
+                    "(3.0 MiB free after waiting 0.05 minutes, checkpoint.export_wait_minutes); the partial hf.tmp "
+                    "was removed; no checkpoint holds the trained weights: they are lost "
+                    f"(traceback in {out / 'errors-rank0.log'})")
     assert "Connection closed by peer" not in res.stderr + res.stdout and "SafetensorError" not in res.stderr
     assert res.stderr.count("exitcode  : 1") == 2, "both ranks exit with the same code"
     assert not (out / "hf.tmp").exists() and not (out / "hf").exists()

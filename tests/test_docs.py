@@ -7,11 +7,14 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import re
+import shlex
 
 import pytest
 
 from helpers import REPO, recipe_configs
-from llmtrain.config import describe
+from llmtrain.config import describe, load_config
+from llmtrain.data.__main__ import config_class
+from llmtrain.export import LORA_OUTPUTS
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "bench" / "README.md"]
 README_MAX_LINES = 260
@@ -153,3 +156,172 @@ def test_the_checks_see_what_they_check():
     assert {"parallel.mixed_precision", "lora.enabled", "model.path", "train.max_steps"} <= named_config_keys(readme)
     assert "docs/data.md" in LINK.findall(prose(readme))
     assert "checkpoints-resume-preemption-and-export-checkpoint" in anchors(text(REPO / "docs" / "checkpoints.md"))
+
+
+# -- every fenced command's paths exist after the documented steps before it -------------------------
+# A reader runs README.md's commands, then each page's in the order README's Docs table lists them. A path a
+# command reads (a --config, a --model, a checkpoint, an export, a repo file) must be in the repository or
+# written by a command before it; what each command writes is derived from what it runs (a recipe run: its
+# config's output_dir, checkpoints and exports; convert: OUT; eval --output; plot's curves.png ...).
+
+# A path from the repository root; a placeholder (configs/X.yaml, step_<N>) is no path.
+ROOTED = re.compile(r"^(?:outputs|configs|data|assets|recipes|slurm|bench|scripts|docs|tests|logs)/"
+                    r"(?![\w./-]*(?:\b[A-Z]\b|<))[\w./-]*$")
+READS = {"--config", "--config_file", "--model", "--base", "--tasks", "--compare", "--logdir"}  # flags' values
+WRITES = {"--output", "--out", "--output-dir", "--log-dir"}
+SWITCHES = {"--standalone", "--chat", "--json", "--overwrite", "--help", "--help-config", "--print-config"}
+CONFIG_PATHS = ("model.path", "tokenizer.path", "data.path", "checkpoint.resume")  # read from earlier runs
+
+
+def reading_order():
+    """README.md, then the pages of its Docs table in that order, then any page it does not list."""
+    listed = [REPO / target for target in re.findall(r"^\| \[[^\]]+\]\(([^)]+\.md)\)", text(REPO / "README.md"),
+                                                         re.MULTILINE)]
+    return [REPO / "README.md", *listed, *(d for d in DOCS if d not in listed and d != REPO / "README.md")]
+
+
+def fenced_commands(path):
+    """(line number, argv) of each shell command in the page's bash fences (continuations joined, comments cut),
+    and (line number, [quoted outputs/... strings]) of each python fence line."""
+    out, fence, pending, start = [], None, "", 0
+    for number, line in enumerate(text(path).splitlines(), 1):
+        if line.startswith("```"):
+            fence = line[3:].strip() if fence is None else None
+            continue
+        if fence == "python":
+            out += [(number, ["<python>", *re.findall(r"[\"'](outputs/[^\"']+)[\"']", line)])]
+        if fence != "bash":
+            continue
+        start = start if pending else number
+        pending += line.rstrip("\\") + " "
+        if not line.endswith("\\"):
+            argv = shlex.split(pending, comments=True)
+            pending = ""
+            if argv:
+                out.append((start, argv))
+    return out
+
+
+class Made:
+    """What the commands so far wrote: exact paths (a run's output_dir and its files), directories whose whole
+    content counts as written (exports, checkpoints, convert's OUT, ...), and each checkpoint's run config."""
+
+    def __init__(self):
+        self.exact, self.trees, self.checkpoints = set(), set(), {}
+
+    def has(self, path: str) -> bool:
+        path = path.rstrip("/")
+        return (REPO / path).exists() or path in self.exact | self.trees or \
+            any(path.startswith(f"{tree}/") for tree in self.trees)
+
+
+def overrides_of(args):
+    return [a for a in args if re.match(r"^[a-z_]+(\.[a-z_]+)*=", a)]
+
+
+def resolved(args, cls_of):
+    """The config a command's `--config C [overrides]` resolves to, or None (no --config, or a help request)."""
+    if "--config" not in args or {"--help", "--help-config"} & set(args):
+        return None
+    config = args[args.index("--config") + 1]
+    if not (REPO / config).is_file():
+        return None  # a read: reported missing on its own
+    overrides = overrides_of(args[args.index("--config") + 2:])
+    return load_config(REPO / config, overrides, cls_of(config, overrides))
+
+
+def run_writes(cfg, made):
+    """A recipe run's writes, from its resolved config: output_dir, its exports and the checkpoints it keeps."""
+    out, ck, last = cfg.output_dir, cfg.checkpoint, cfg.train.max_steps
+    made.exact |= {out, f"{out}/config.yaml", f"{out}/metrics.jsonl"}
+    made.trees |= {f"{out}/{d}" for d in (LORA_OUTPUTS[cfg.lora.export] if cfg.lora.enabled else ("hf",))}
+    steps = [s for s in range(1, last + 1) if ck.every_steps and (s % ck.every_steps == 0 or s == last)]
+    for step in steps[-ck.keep_last:] if ck.keep_last else steps:
+        made.trees.add(f"{out}/checkpoints/step_{step}")
+        made.checkpoints[f"{out}/checkpoints/step_{step}"] = cfg
+    made.trees |= {f"{out}/hf/step_{s}" for s in range(1, last + 1)
+                   if ck.export_every_steps and s % ck.export_every_steps == 0}
+    made.trees |= {f"{out}/tensorboard"} if cfg.log.tensorboard else set()
+    made.trees |= {f"{out}/wandb"} if cfg.log.wandb.project else set()
+
+
+def step(argv, made, cls_of) -> list[str]:
+    """Runs one command on `made` (adds what it writes); returns the paths it reads."""
+    if argv[0] == "<python>":
+        return argv[1:]
+    if argv[:2] == ["make", "demo"]:  # the Makefile's demo target is this run
+        demo = re.search(r"^demo:.*\n\t\S*torchrun (.+)$", text(REPO / "Makefile"), re.MULTILINE).group(1)
+        return step(["torchrun", *shlex.split(demo)], made, cls_of)
+    if argv[:2] == ["mkdir", "-p"]:
+        made.trees |= set(argv[2:])
+        return []
+    module = argv[argv.index("-m") + 1] if "-m" in argv else None
+    reads, positional, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        key, eq, value = arg.partition("=")
+        if arg in READS | WRITES:  # a flag and its value (--compare: its two)
+            n = 2 if arg == "--compare" else 1
+            values, i = argv[i + 1:i + 1 + n], i + n
+            if arg in READS:
+                reads += values
+            else:
+                made.trees |= set(values)
+        elif eq and key != "output_dir" and ROOTED.match(value):
+            reads.append(value)  # LLMTRAIN_RECIPE=recipes/dpo.py, data.path=data/...
+        elif arg.startswith("-") and not eq and arg not in SWITCHES and arg != "-m":
+            i += 1  # another flag's value (--dtype bf16)
+        elif not arg.startswith("-") and arg != module:
+            positional.append(arg)
+        i += 1
+    help_only = {"--help", "--help-config", "--print-config"} & set(argv)
+    cfg = resolved(argv, cls_of)
+    if cfg is not None:  # what its config reads from earlier runs
+        paths = [getattr(getattr(cfg, p.split(".")[0]), p.split(".")[1]) for p in CONFIG_PATHS]
+        reads += [p for p in paths + [cfg.model.path if cfg.tokenizer.path is None else None]
+                  if isinstance(p, str) and p.startswith("outputs/")]
+        if any(p.startswith("recipes/") for p in positional) and not help_only:
+            run_writes(cfg, made)
+    if module == "llmtrain.convert" and not help_only:
+        ckpt, out = positional[-2:]
+        run = made.checkpoints.get(ckpt)
+        made.trees |= {out} if run is None or not run.lora.enabled else \
+            {f"{out}/{d}" for d in LORA_OUTPUTS[run.lora.export]}
+        return reads + [ckpt]
+    if module == "llmtrain.plot" and not help_only:
+        made.exact.add(f"{positional[-1].rstrip('/')}/curves.png")
+        reads.append(f"{positional[-1].rstrip('/')}/metrics.jsonl")
+    return reads + [p for p in positional if ROOTED.match(p)]
+
+
+def cls_of(config, overrides):
+    """The config class of the recipe whose sections the file sets (as `python -m llmtrain.data` finds it)."""
+    return config_class(str(REPO / config), overrides)
+
+
+def test_every_fenced_command_reads_only_what_the_steps_before_it_make():
+    made, bad = Made(), []
+    for doc in reading_order():
+        for number, argv in fenced_commands(doc):
+            bad += [f"{rel(doc)}:{number}: {path}" for path in step(argv, made, cls_of) if not made.has(path)]
+    assert not bad, "fenced commands read paths that no step before them makes:\n" + "\n".join(bad)
+
+
+def test_the_command_check_derives_what_each_step_writes_and_reads():
+    made = Made()
+    demo = "torchrun --standalone --nproc_per_node=2 recipes/finetune.py --config configs/demo.yaml"
+    assert set(step(shlex.split(demo), made, cls_of)) == {"recipes/finetune.py", "configs/demo.yaml"}
+    assert made.has("outputs/demo/hf/model.safetensors") and made.has("outputs/demo/metrics.jsonl")
+    assert not made.has("outputs/demo/checkpoints/step_150") and not made.has("outputs/demo/adapter")
+    step(shlex.split(f"{demo} checkpoint.every_steps=40 output_dir=outputs/c"), made, cls_of)
+    assert [made.has(f"outputs/c/checkpoints/step_{s}") for s in (40, 80, 120, 150)] == [False, False, True, True]
+    lora = shlex.split(demo.replace("demo.yaml", "demo-lora.yaml") + " checkpoint.every_steps=100")
+    assert "outputs/demo/hf" in step(lora, made, cls_of)  # model.path: the SFT demo's export
+    assert made.has("outputs/demo-lora/adapter") and made.has("outputs/demo-lora/hf")
+    convert = "python -m llmtrain.convert outputs/demo-lora/checkpoints/step_100 outputs/x --dtype bf16"
+    assert step(shlex.split(convert), made, cls_of) == ["outputs/demo-lora/checkpoints/step_100"]
+    assert made.has("outputs/x/adapter/adapter_config.json") and not made.has("outputs/x/model.safetensors")
+    data = "python -m llmtrain.data --config configs/demo-grpo.yaml --n 1"
+    assert set(step(shlex.split(data), made, cls_of)) == {"configs/demo-grpo.yaml", "outputs/demo/hf"}
+    assert step(["<python>", "outputs/nowhere"], made, cls_of) == ["outputs/nowhere"]
+    assert [number for number, _ in fenced_commands(REPO / "README.md")][:2] == [12, 13]
