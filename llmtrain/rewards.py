@@ -71,7 +71,8 @@ def load(spec: str, key: str = "grpo.reward_funcs") -> RewardFunc:
             raise ConfigError(f"{key}: {spec!r}: importing {where} failed: {type(e).__name__}: {e}") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ConfigError(f"{key}: {spec!r}: {where} has no function {attr!r}")
+        raise ConfigError(f"{key}: {spec!r}: {where} has no function {attr!r}" if not hasattr(module, attr) else
+                          f"{key}: {spec!r}: {attr!r} in {where} is a {type(fn).__name__}, not callable")
     return RewardFunc(spec, getattr(fn, "__name__", attr), fn)
 
 

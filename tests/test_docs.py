@@ -325,3 +325,22 @@ def test_the_command_check_derives_what_each_step_writes_and_reads():
     assert set(step(shlex.split(data), made, cls_of)) == {"configs/demo-grpo.yaml", "outputs/demo/hf"}
     assert step(["<python>", "outputs/nowhere"], made, cls_of) == ["outputs/nowhere"]
     assert [number for number, _ in fenced_commands(REPO / "README.md")][:2] == [12, 13]
+
+
+def test_lists_of_configs_and_benchmarks_are_whole():
+    """models.md's table names every config; bench/README.md counts the benchmarks bench/run.py runs and its
+    --only list names each (issue 32 §13)."""
+    table = set(re.findall(r"^\| `(configs/[^`]+\.yaml)` \|", text(REPO / "docs" / "models.md"), re.MULTILINE))
+    assert table == {rel(p) for p in (REPO / "configs").glob("*.yaml")}
+    names = re.search(r"^NAMES = \[(.+)\]$", text(REPO / "bench" / "run.py"), re.MULTILINE).group(1)
+    names = re.findall(r'"(\w+)"', names)
+    bench = " ".join(text(REPO / "bench" / "README.md").split())
+    count = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
+             "twelve"][len(names)]
+    assert f"`python bench/run.py` runs {count} benchmarks" in bench
+    assert f"`--only {' '.join(names)}`" in bench
+
+
+def test_the_first_sentence_names_every_recipe():
+    first = " ".join(text(REPO / "README.md").split("\n\n")[1].split()).split(". ")[0]
+    assert all(name in first for name in ("supervised fine-tuning", "LoRA", "DPO", "GRPO")), first

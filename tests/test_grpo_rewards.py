@@ -27,6 +27,7 @@ def test_load_module_and_file(tmp_path):
 @pytest.mark.parametrize("spec,message", [
     ("no_such_package.rewards:f", "no module named 'no_such_package'"),
     ("llmtrain.rewards:no_such_function", "has no function 'no_such_function'"),
+    ("llmtrain.rewards:__doc__", "'__doc__' in llmtrain.rewards is a str, not callable$"),
     ("missing/file.py:f", "no file missing/file.py"),
     ("llmtrain.rewards", "is not 'package.module:function'"),
 ])
