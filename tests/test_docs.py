@@ -324,7 +324,8 @@ def test_the_command_check_derives_what_each_step_writes_and_reads():
     data = "python -m llmtrain.data --config configs/demo-grpo.yaml --n 1"
     assert set(step(shlex.split(data), made, cls_of)) == {"configs/demo-grpo.yaml", "outputs/demo/hf"}
     assert step(["<python>", "outputs/nowhere"], made, cls_of) == ["outputs/nowhere"]
-    assert [number for number, _ in fenced_commands(REPO / "README.md")][:2] == [12, 13]
+    (number, argv), *_ = fenced_commands(REPO / "README.md")  # the line numbers a failure names are the file's
+    assert argv == ["make", "demo"] and text(REPO / "README.md").splitlines()[number - 1].startswith("make demo")
 
 
 def test_lists_of_configs_and_benchmarks_are_whole():
@@ -344,3 +345,19 @@ def test_lists_of_configs_and_benchmarks_are_whole():
 def test_the_first_sentence_names_every_recipe():
     first = " ".join(text(REPO / "README.md").split("\n\n")[1].split()).split(". ")[0]
     assert all(name in first for name in ("supervised fine-tuning", "LoRA", "DPO", "GRPO")), first
+
+
+def test_curve_figures_are_what_the_script_prints():
+    """scripts/curve_figures.py makes the demo figures docs/grpo.md quotes (issue 32 §13): window means, the
+    first and last windows with their ends; a resumed run's repeated step counts once, its last record."""
+    spec = importlib.util.spec_from_file_location("curve_figures", REPO / "scripts" / "curve_figures.py")
+    curve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(curve)
+    records = [{"step": s, "reward": s / 100} for s in range(1, 121)] + [{"step": 120, "reward": 0.0}]
+    assert curve.figures(records, "reward", 50, 10) == (
+        "`reward`, mean over 50-step windows: **0.255** (steps 1-50; 0.055 over steps 1-10), 0.755, "
+        "**1.045** (steps 101-120; 1.035 over 111-120)")
+    doc = " ".join(text(REPO / "docs" / "grpo.md").split())
+    assert "python scripts/curve_figures.py outputs/demo-grpo" in doc
+    assert re.search(r"`reward`, mean over 50-step windows: \*\*[\d.]+\*\* \(steps 1-50; [\d.]+ over steps 1-10\)"
+                     r"(, [\d.]+)+, \*\*[\d.]+\*\* \(steps 351-400; [\d.]+ over 391-400\)", doc)
