@@ -68,7 +68,7 @@ def main() -> None:
         batches = next(steps)
         if positions is not None:
             batches = [{**b, "position_ids": positions} for b in batches]
-        accumulate(stepper, batches, objectives[impl])
+        accumulate(stepper, batches, objectives[impl], (cfg.train.seed, 0))
         distributed.any_rank(False, False, device=env.device)
 
     def bare_step(ids, positions=None):

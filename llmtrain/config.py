@@ -228,7 +228,7 @@ class TrainConfig:
     max_grad_norm: float = ranged("[0, inf)", default=1.0)
     """Clip the global gradient norm to this; 0 disables clipping."""
     seed: int = ranged("[0, 4294967295]", default=42)  # numpy (datasets' shuffles) takes seeds below 2**32
-    """Model init and data order; dropout uses seed + rank."""
+    """Model init, data order and LoRA's dropout masks (keyed by seed, step, sample and layer)."""
     on_nan: Literal["stop", "skip"] = "stop"
     """Non-finite loss or gradient: stop (naming the step, saving nothing) or skip the update."""
     loss_impl: Literal["chunked", "full", "liger"] = "chunked"
@@ -304,7 +304,8 @@ class LoraConfig:
     alpha: float = ranged("(0, inf)", default=32.0)
     """Scaling numerator: an adapter adds (alpha / r) * B @ A to its layer's weight."""
     dropout: float = ranged("[0, 1)", default=0.05)
-    """Dropout on an adapter's input (seeded per rank, like all dropout)."""
+    """Dropout on an adapter's input; its masks depend on (train.seed, step, sample, layer) only, so any world
+    size, split or resume gives the same (llmtrain/models/dropout.py)."""
     target_modules: str | list[str] = "all-linear"
     """all-linear (every linear layer but the output head) or a list of module names (q_proj, ... or full paths)."""
     modules_to_save: list[str] = field(default_factory=list)

@@ -20,14 +20,14 @@ import torch.distributed as dist
 
 from llmtrain.config import ConfigError, DataConfig, SourceConfig
 from llmtrain.data import sources as sources_lib
-from llmtrain.data.formats import FORMATS, IGNORE, BadRecord, Format, Rows, prepare_tokenizer
+from llmtrain.data.formats import FORMATS, IGNORE, SAMPLE_INDEX, BadRecord, Format, Rows, prepare_tokenizer
 from llmtrain.data.packing import RowBuilder, to_rows
 from llmtrain.data.sampling import GlobalOrderSampler, step_batches
 from llmtrain.data.sources import resolve_files
 
-__all__ = ["IGNORE", "FORMATS", "Format", "Rows", "GlobalOrderSampler", "step_batches", "resolve_files", "check",
-           "formats_used", "rows_kind", "build", "Built", "StreamSteps", "MapSteps", "make_steps", "pairs_batch",
-           "prepare_tokenizer"]
+__all__ = ["IGNORE", "SAMPLE_INDEX", "FORMATS", "Format", "Rows", "GlobalOrderSampler", "step_batches",
+           "resolve_files", "check", "formats_used", "rows_kind", "build", "Built", "StreamSteps", "MapSteps",
+           "make_steps", "pairs_batch", "prepare_tokenizer"]
 
 PACK_BATCH = 1000  # examples packed together; the last row of each batch is padded
 
@@ -280,7 +280,7 @@ class StreamingRows:
         from datasets import interleave_datasets
         from datasets.distributed import split_dataset_by_node
 
-        self.section, self.tokenizer = section, tokenizer
+        self.section, self.tokenizer, self.rank = section, tokenizer, rank
         parts = []
         for i, src in enumerate(sources(section)):
             ds = sources_lib.load_stream(src.path, f"data.sources[{i}].path" if section.sources else "data.path")
@@ -385,7 +385,10 @@ class StreamSteps:
             dist.all_reduce(short, op=dist.ReduceOp.MAX)
             if not short[0]:
                 self.taken += need
-                return [_collate(got[i * self.micro:(i + 1) * self.micro]) for i in range(self.accum)]
+                # SAMPLE_INDEX as the map-style order numbers samples (a stream has no global order)
+                return [{**_collate(got[i * self.micro:(i + 1) * self.micro]),
+                         SAMPLE_INDEX: self.rows.rank + self.world_size * (i * self.micro + torch.arange(self.micro))}
+                        for i in range(self.accum)]
             if short[1]:
                 raise ConfigError(f"a rank's share of the streamed data holds fewer than {need} rows of "
                                   "data.seq_len tokens; use fewer ranks, a smaller batch or more data")

@@ -195,6 +195,8 @@ def _pair_columns(pair: Pair, fmt: Format, section: DataConfig) -> dict:
 
 
 PAIR_INDEX = "pair_index"
+SAMPLE_INDEX = "sample_index"  # a training micro-batch's samples' indices in their step's global batch ([B] long):
+                               # the same for any world size and split (they key LoRA's dropout masks)
 PROMPT_INDEX = "prompt_index"
 
 

@@ -12,6 +12,8 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
+from llmtrain.data.formats import SAMPLE_INDEX
+
 
 class GlobalOrderSampler(DistributedSampler):
     """A DistributedSampler (set_epoch, num_replicas, rank) whose iteration never ends: it starts at
@@ -40,8 +42,11 @@ class GlobalOrderSampler(DistributedSampler):
 
 def step_batches(dataset, micro_batch_size: int, grad_accum_steps: int, world_size: int, rank: int,
                  seed: int, samples_seen: int = 0, collate_fn=None) -> Iterator[list[dict[str, torch.Tensor]]]:
-    """Endless iterator of steps, each a list of grad_accum_steps micro-batches for this rank."""
+    """Endless iterator of steps, each a list of grad_accum_steps micro-batches for this rank, each with its
+    samples' indices in the step's global batch (SAMPLE_INDEX: rank r's k-th sample of a step is r + k x world)."""
     sampler = GlobalOrderSampler(dataset, world_size, rank, seed, start=samples_seen)
     loader = iter(DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate_fn))
+    micro = micro_batch_size
     while True:
-        yield [next(loader) for _ in range(grad_accum_steps)]
+        yield [{**next(loader), SAMPLE_INDEX: rank + world_size * (i * micro + torch.arange(micro))}
+               for i in range(grad_accum_steps)]

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from llmtrain.config import ConfigError, LoraConfig
+from llmtrain.models.dropout import KeyedDropout
 from llmtrain.models.names import ADAPTER, base_name, clean_name, is_adapter, is_trained_copy, peft_key
 from llmtrain.utils import hash_sampled
 
@@ -61,6 +62,7 @@ def apply(model: nn.Module, section: LoraConfig) -> nn.Module:
                           "base first (save it with tie_word_embeddings=false and its own lm_head.weight) and list "
                           "both embeddings")
     model = peft.inject_adapter_in_model(peft_config(section), model, adapter_name=ADAPTER)
+    keyed_dropout(model)
     if section.base_dtype == "bf16":
         cast = {}  # by parameter: tied embeddings stay one tensor
         for module in model.modules():  # frozen tensors only: adapters and their optimizer state stay fp32
@@ -69,6 +71,16 @@ def apply(model: nn.Module, section: LoraConfig) -> nn.Module:
                     new = cast.setdefault(p, nn.Parameter(p.to(torch.bfloat16), requires_grad=False))
                     setattr(module, name, new)
     return model
+
+
+def keyed_dropout(model: nn.Module) -> None:
+    """PEFT's adapter dropout (nn.Dropout; nn.Identity at lora.dropout=0, left as it is) -> KeyedDropout, each
+    told apart by its module's name: masks keyed by (seed, step, sample, layer), see llmtrain.models.dropout.
+    No parameter or buffer changes, so the adapter and merged exports are what they were."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Dropout) and ".lora_dropout." in f".{name}.":
+            parent, _, child = name.rpartition(".")
+            model.get_submodule(parent)[child] = KeyedDropout(module.p, zlib.crc32(clean_name(name).encode()))
 
 
 def _tied_embeddings(model: nn.Module) -> list[str]:

@@ -23,7 +23,7 @@ from torch.distributed import ReduceOp
 
 from llmtrain import data, distributed, rewards
 from llmtrain.config import Config, ConfigError, ranged
-from llmtrain.data import IGNORE
+from llmtrain.data import IGNORE, SAMPLE_INDEX
 from llmtrain.losses import policy
 from llmtrain.losses.token import next_token_targets
 from llmtrain.models import hf as model_lib
@@ -277,7 +277,8 @@ class Rollouts:
         g, n, rows, device = self.section, self.run.cfg.train.micro_batch_size, self.mine(), self.run.env.device
         ids = [prompts["prompt_ids"][c // g.num_generations] for c in rows]
         micro = micro_batches(ids, tokens, truncated, self.pad, n, g.mask_truncated_completions, device)
-        return [{**b, "advantages": torch.tensor(advantages[i * n:(i + 1) * n], device=device)}
+        return [{**b, "advantages": torch.tensor(advantages[i * n:(i + 1) * n], device=device),
+                 SAMPLE_INDEX: torch.tensor(rows[i * n:(i + 1) * n], device=device)}  # keys its dropout
                 for i, b in enumerate(micro)]
 
     def sampled_logps(self, micro: list[dict], logps: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -48,7 +48,7 @@ def loop(run: Run, source: BatchSource, objective: Objective, evaluate: Callable
         data_wait = time.perf_counter() - t0 - batch.work_s
         lr = optim.lr_at(state.step, cfg.train, run.peak_lr)
         optim.set_lr(run.opt, lr)
-        result = accumulate(run.stepper, batch.micro, objective)
+        result = accumulate(run.stepper, batch.micro, objective, (cfg.train.seed, state.step))
         if not result.ok and cfg.train.on_nan == "stop":
             raise FloatingPointError(f"non-finite loss ({result.loss}) or grad norm ({result.grad_norm}) at step "
                                      f"{state.step + 1}; stopped without saving this state "

@@ -11,8 +11,10 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import nn
 
+from llmtrain.data import SAMPLE_INDEX
 from llmtrain.distributed import all_reduce
 from llmtrain.losses.token import trained_tokens
+from llmtrain.models import dropout
 from llmtrain.parallelize import Plan, autocast, grad_sync
 
 
@@ -57,14 +59,15 @@ class Stepper(NamedTuple):
     world_size: int
 
 
-def accumulate(s: Stepper, batches: list[dict], objective: Objective) -> StepResult:
-    """One optimizer step over the micro-batches of `batches`."""
+def accumulate(s: Stepper, batches: list[dict], objective: Objective, key: tuple[int, int]) -> StepResult:
+    """One optimizer step over the micro-batches of `batches`; key: (train.seed, step), with each micro-batch's
+    SAMPLE_INDEX the key of its dropout masks (llmtrain.models.dropout)."""
     batches = [{k: v.to(s.device, non_blocking=True) for k, v in b.items()} for b in batches]
     local = torch.stack([torch.cat([trained_tokens(b["labels"]).reshape(1), objective.counts(b)]) for b in batches])
     totals = all_reduce(local.sum(0))
     summed = None
     for i, batch in enumerate(batches):
-        with grad_sync(s.model, s.plan, enabled=i == len(batches) - 1):
+        with grad_sync(s.model, s.plan, enabled=i == len(batches) - 1), dropout.rows(*key, batch.get(SAMPLE_INDEX)):
             with autocast(s.plan, s.device):
                 part = objective.share(s.model, batch, totals)
             # Data-parallel wrappers average gradients over ranks: x world size makes them the global mean's.

@@ -77,7 +77,7 @@ def run(family_dir: Path, strategy: str, env, out: Path) -> dict:
     model.train()
     objective = TokenObjective(TokenLoss("chunked", model, env.device))  # the default train.loss_impl
     stepper = Stepper(model, plan, opt, None, 1.0, env.device, env.world_size)
-    result["losses"] = [accumulate(stepper, [local], objective).loss for _ in range(STEPS)]
+    result["losses"] = [accumulate(stepper, [local], objective, (0, step)).loss for step in range(STEPS)]
 
     # The export reproduces the trained model's logits in transformers.
     export_dir = out / f"{family_dir.name}_{strategy}"
