@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import re
 import resource
 import sys
@@ -363,7 +364,7 @@ class MetricsLogger:
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps(record) + "\n")
+        self.file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
         self.file.flush()
         for sink in self.sinks:
             sink.log(record)
@@ -389,6 +390,18 @@ class MetricsLogger:
         if self.file is not None:
             self.file.close()
             self.file = None
+
+
+def json_safe(value):
+    """A record for metrics.jsonl: non-finite floats (a skipped step's loss, a reward function's statistics
+    when it returned None for every completion) become null, since JSON has no NaN or Infinity."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def _fmt(v) -> str:

@@ -19,23 +19,33 @@ Built-ins, no user code needed:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import math
 import re
+import signal
 import sys
+import time
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from llmtrain import distributed
 from llmtrain.config import ConfigError, RunError
 
 FORMAT = r"(?s).*####\s*\S+\s*$"
+FLOAT32_MAX = 3.4028234663852886e38  # the advantages take rewards in float32: beyond it a reward is inf
 ANSWER = re.compile(r"####\s*(.+?)\s*$", re.S)
 
 
 class RewardError(RunError):
-    """A reward function failed or answered wrongly during training; the message is one line."""
+    """A reward function failed or answered wrongly during training; the message is one line. collective: every
+    rank raises it alike (cli.report prints rank 0's)."""
+
+    def __init__(self, message: str, collective: bool = False):
+        super().__init__(message)
+        self.collective = collective
 
 
 class RewardFunc(NamedTuple):
@@ -87,17 +97,66 @@ def load_all(specs: list[str], key: str = "grpo.reward_funcs") -> list[RewardFun
     return funcs
 
 
+def reward_timeout(reward_timeout_s: float | None, collective_timeout_s: float) -> float:
+    """grpo.reward_timeout_s as it applies (None: half of distributed.timeout_s); a ConfigError when it is not
+    below distributed.timeout_s, the time the other ranks wait for this one's rewards in a collective."""
+    if reward_timeout_s is None:
+        return collective_timeout_s / 2
+    if reward_timeout_s >= collective_timeout_s:
+        raise ConfigError(f"grpo.reward_timeout_s={reward_timeout_s:g} must be below distributed.timeout_s="
+                          f"{collective_timeout_s:g}: the other ranks wait that long for a rank's rewards, and would "
+                          "fail without naming the function; lower it or raise distributed.timeout_s")
+    return reward_timeout_s
+
+
+class RewardTimeout(BaseException):
+    """Raised inside a reward function when grpo.reward_timeout_s is up (a BaseException: the function's own
+    `except Exception` does not swallow it)."""
+
+
+@contextlib.contextmanager
+def deadline(seconds: float | None):
+    """Interrupt the block after `seconds` (None: never) with RewardTimeout: a SIGALRM timer, so that a sleep, a
+    blocking read or a Python loop is interrupted in the main thread, where the function keeps its signals (a
+    library such as math_verify arms its own alarm: that replaces ours for its call). A function stuck in C code
+    that holds the GIL is not interrupted: distributed.timeout_s still ends the run."""
+    if seconds is None:
+        yield
+        return
+    if seconds <= 0:
+        raise RewardTimeout
+
+    def expired(signum, frame):
+        raise RewardTimeout
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def score(funcs: list[RewardFunc], prompts: list, completions: list, completion_ids: list[list[int]],
-          columns: dict[str, list], prompt_index: list[int]) -> list[list[float]]:
+          columns: dict[str, list], prompt_index: list[int], timeout_s: float | None = None,
+          rank: int = 0) -> list[list[float]]:
     """[completion][function] rewards (NaN for None). prompt_index: each completion's prompt index in the
-    dataset, to name in errors. A function that raises, returns the wrong number of rewards or a value
-    that is not a number stops with a one-line RewardError naming the function and the prompt index."""
+    dataset, to name in errors. A function that raises, returns the wrong number of rewards, a value that is
+    not a number or a non-finite one, or takes longer than timeout_s seconds (grpo.reward_timeout_s, the call
+    and the search for the prompt it fails on together) stops with a one-line RewardError naming the function
+    and the prompt index (or, for the timeout, the rank)."""
     out = [[math.nan] * len(funcs) for _ in completions]
     for j, f in enumerate(funcs):
+        end = None if timeout_s is None else time.monotonic() + timeout_s
         try:
-            values = f.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+            with deadline(timeout_s):
+                values = f.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        except RewardTimeout:
+            raise RewardError(f"reward function {f.spec} did not return within grpo.reward_timeout_s={timeout_s:g} s "
+                              f"on rank {rank} (prompts {_indices(prompt_index)})") from None
         except Exception as e:  # the user's code: find the prompt it fails on, and say so in one line
-            i = _first_failing(f, prompts, completions, completion_ids, columns)
+            i = _first_failing(f, prompts, completions, completion_ids, columns, end)
             where = f"prompt index {prompt_index[i]}" if i is not None else f"prompts {_indices(prompt_index)}"
             raise RewardError(f"reward function {f.spec} raised {type(e).__name__}: {one_line(e)} ({where})") from e
         n = len(values) if isinstance(values, (list, tuple)) else None
@@ -110,18 +169,53 @@ def score(funcs: list[RewardFunc], prompts: list, completions: list, completion_
                 continue
             try:
                 out[i][j] = float(v)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):
                 raise RewardError(f"reward function {f.spec} returned {v!r} for prompt index {prompt_index[i]}; "
                                   "expected a number or None") from None
+            if not abs(out[i][j]) <= FLOAT32_MAX:  # NaN, inf, 1e300: the advantages would be NaN or 0
+                raise RewardError(f"reward function {f.spec} returned {v!r} for prompt index {prompt_index[i]}; a "
+                                  f"reward must be a finite number within float32's range (|r| <= {FLOAT32_MAX:.4g}), "
+                                  "or None for not applicable")
     return out
 
 
-def _first_failing(f: RewardFunc, prompts, completions, completion_ids, columns) -> int | None:
-    """The first completion that f raises on when called on it alone (None: it fails on none alone)."""
+def score_everywhere(funcs: list[RewardFunc], prompts: list, completions: list, completion_ids: list[list[int]],
+                     columns: dict[str, list], prompt_index: list[int], timeout_s: float | None,
+                     rank: int) -> list[list[float]]:
+    """score() on this rank's completions, then every rank learns whether any failed (a collective: every rank
+    calls it): a failure anywhere stops every rank with the failing rank's line (RewardError, exit 1; printed
+    once), before anything of the step is saved. A hung function ends at timeout_s, below distributed.timeout_s,
+    so that the waiting ranks hear which function and rank it was instead of a collective's timeout."""
+    error, per_func = None, None
+    try:
+        per_func = score(funcs, prompts, completions, completion_ids, columns, prompt_index, timeout_s, rank)
+    except RewardError as e:
+        error = str(e)
+    if failed := next((e for e in distributed.gather_objects(error) if e), None):
+        raise RewardError(failed, collective=True)
+    return per_func
+
+
+def none_applied(scores, funcs: list[RewardFunc], prompt_index: list[int], step: int) -> str | None:
+    """A line for the log when every function returned None for every completion of the step (every rank's
+    [completions, functions] scores, NaN for None): its advantages are all 0. None otherwise."""
+    if not bool(scores.isnan().all()):
+        return None
+    return (f"step {step}: every reward function ({', '.join(f.spec for f in funcs)}) returned None (not "
+            f"applicable) for all {len(scores)} completions (prompts {_indices(prompt_index)}): no reward, so every "
+            "advantage is 0 and only the KL term (grpo.beta) trains")
+
+
+def _first_failing(f: RewardFunc, prompts, completions, completion_ids, columns, end: float | None) -> int | None:
+    """The first completion that f raises on when called on it alone (None: it fails on none alone, or the
+    time until `end`, time.monotonic()'s, is up)."""
     for i in range(len(completions)):
         try:
-            f.fn(prompts=prompts[i:i + 1], completions=completions[i:i + 1], completion_ids=completion_ids[i:i + 1],
-                 **{k: v[i:i + 1] for k, v in columns.items()})
+            with deadline(None if end is None else end - time.monotonic()):
+                f.fn(prompts=prompts[i:i + 1], completions=completions[i:i + 1],
+                     completion_ids=completion_ids[i:i + 1], **{k: v[i:i + 1] for k, v in columns.items()})
+        except RewardTimeout:
+            return None
         except Exception:  # noqa: BLE001  (the user's code; only which one fails matters here)
             return i
     return None

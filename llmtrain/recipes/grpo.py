@@ -91,6 +91,9 @@ class GRPOSection:
     llmtrain.rewards:exact_answer, llmtrain.rewards:format_regex."""
     reward_weights: list[float] = ranged("[0, inf)", default_factory=list)
     """One weight per reward function (empty: all 1); a penalty is a function returning negative rewards."""
+    reward_timeout_s: float | None = ranged("(0, inf)", default=None)
+    """Seconds a reward function's call may take on a rank; beyond, the run stops (exit 1) with one line naming
+    the function and the rank. Must be below distributed.timeout_s (None: half of it)."""
 
 
 @dataclass
@@ -176,6 +179,7 @@ class Rollouts:
                  ref: Reference | None, pad: int):
         self.run, self.section, self.prompts, self.engine = run, run.cfg.grpo, prompts, engine
         self.sampling, self.funcs, self.ref, self.pad = sampling, funcs, ref, pad
+        self.reward_timeout = rewards.reward_timeout(self.section.reward_timeout_s, run.cfg.distributed.timeout_s)
         self.held: dict = {}
         self.micro, self.metrics = None, {}
 
@@ -222,6 +226,8 @@ class Rollouts:
         every = lambda t: distributed.gather_rows(t.to(env.device)).cpu()  # noqa: E731
         scores, all_lengths, truncated = every(per_func), every(lengths), every(torch.tensor(out.truncated).long())
         adv = policy.group_advantages(scores, g.reward_weights, G, g.scale_rewards)
+        if note := rewards.none_applied(scores, self.funcs, prompts["prompt_index"].tolist(), run.state.step + 1):
+            run.metrics.info(note)
         generated = distributed.all_reduce(lengths.sum().to(env.device)).item()
         seconds = distributed.all_reduce(torch.tensor(out.seconds, device=env.device), ReduceOp.MAX).item()
         metrics = {**policy.reward_metrics(scores, [f.name for f in self.funcs], adv),
@@ -259,17 +265,10 @@ class Rollouts:
         return micro, held["metrics"]
 
     def score(self, prompts, completions, tokens, columns, prompt_index) -> torch.Tensor:
-        """[completions, functions] rewards; a reward function's failure on any rank stops every rank with its
-        one line (rewards.RewardError: exit 1), before anything of this step is saved."""
-        error, per_func = None, None
-        try:
-            per_func = torch.tensor(rewards.score(self.funcs, prompts, completions, tokens, columns, prompt_index),
-                                    dtype=torch.float64)
-        except rewards.RewardError as e:
-            error = str(e)
-        if failed := next((e for e in distributed.gather_objects(error) if e), None):
-            raise rewards.RewardError(failed)
-        return per_func
+        """[completions, functions] rewards; a failure on any rank stops every rank (rewards.score_everywhere)."""
+        per_func = rewards.score_everywhere(self.funcs, prompts, completions, tokens, columns, prompt_index,
+                                            self.reward_timeout, self.run.env.rank)
+        return torch.tensor(per_func, dtype=torch.float64)
 
     def batches(self, prompts: dict, tokens: list[list[int]], truncated: list[bool],
                 advantages: list[float]) -> list[dict]:
@@ -330,6 +329,7 @@ class GRPO(Recipe):
         check(cfg.grpo)
         check_batch(cfg, distributed.world_size_from_env())  # before any process group: torchrun's WORLD_SIZE
         rewards.load_all(cfg.grpo.reward_funcs)  # a missing module, file or function: exit 2 here
+        rewards.reward_timeout(cfg.grpo.reward_timeout_s, cfg.distributed.timeout_s)
         if cfg.train.loss_impl == "liger":
             raise ConfigError("train.loss_impl: recipes/grpo.py takes chunked (the default) or full; liger yields "
                               "no per-token log-probs")
