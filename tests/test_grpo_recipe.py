@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 
 import pytest
 
@@ -40,6 +41,21 @@ def fails(prompts, completions, completion_ids, answer, **kw):
     return [1 / (len(a) - len(a)) for a in answer]
 def short(prompts, completions, completion_ids, **kw):
     return [0.0]
+def nan_one(prompts, completions, completion_ids, **kw):
+    return [float("nan") if i == 1 else 0.0 for i in range(len(completions))]
+def never(prompts, completions, completion_ids, **kw):
+    return [None] * len(completions)
+def hangs(prompts, completions, completion_ids, **kw):
+    import os, time
+    if os.environ["RANK"] == "1":
+        time.sleep(600)
+    return [0.0] * len(completions)
+def hangs_unstoppably(prompts, completions, completion_ids, **kw):
+    import os, signal, time
+    if os.environ["RANK"] == "1":  # ignores grpo.reward_timeout_s's alarm: the collective's timeout ends it
+        signal.signal(signal.SIGALRM, signal.SIG_IGN)
+        time.sleep(50)
+    return [0.0] * len(completions)
 """
 KEYS = ("loss", "reward", "reward_std", "rewards/chars/mean", "rewards/chars/std", "frac_reward_zero_std",
         "completions/mean_length", "completions/min_length", "completions/max_length", "completions/clipped_ratio",
@@ -171,6 +187,7 @@ def test_resume_in_a_generation_batch_onto_another_world_size_and_strategy(runs)
 @pytest.mark.parametrize("func, nproc, message", [
     ("fails", 2, "raised ZeroDivisionError: division by zero (prompt index "),
     ("short", 1, "returned 1 rewards for 12 completions (prompts "),
+    ("nan_one", 2, "returned nan for prompt index "),
 ])
 def test_a_failing_reward_function_stops_with_one_line(setup, func, nproc, message):
     tmp, config = setup
@@ -208,3 +225,46 @@ def test_groups_that_do_not_divide_the_step_exit_2_before_preflight(setup):
     assert ("train.micro_batch_size x train.grad_accum_steps x 2 ranks = 6 completions per step must be a multiple "
             "of grpo.num_generations = 4") in res.stderr
     assert "preflight ok" not in res.stdout + res.stderr and not out.exists()
+
+
+@pytest.mark.slow
+def test_a_step_where_every_reward_is_none_says_so_and_metrics_stay_json(setup):
+    tmp, config = setup
+    out = tmp / "never"
+    res = run_recipe(out, f"grpo.reward_funcs=[{tmp / 'rewards.py'}:never]", "train.max_steps=1", config=config,
+                     script=GRPO, torchrun=False)
+    assert f"step 1: every reward function ({tmp / 'rewards.py'}:never) returned None (not applicable) for all 12 " \
+           "completions (prompts " in res.stdout
+    (record,) = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl"))
+                 for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert record["rewards/never/mean"] is None and record["reward"] == 0.0
+
+
+def timed_run(tmp, config, name: str, *overrides: str):
+    start = time.monotonic()
+    res = run_recipe(tmp / name, f"grpo.reward_funcs=[{tmp / 'rewards.py'}:{name}]", "parallel.strategy=ddp",
+                     "checkpoint.every_steps=1", *overrides, nproc=2, config=config, script=GRPO, check=False)
+    return res, time.monotonic() - start
+
+
+@pytest.mark.slow
+def test_a_reward_function_hanging_on_one_rank_stops_every_rank_naming_it_and_the_rank(setup):
+    tmp, config = setup
+    res, seconds = timed_run(tmp, config, "hangs", "grpo.reward_timeout_s=3", "distributed.timeout_s=120")
+    assert res.returncode == 1 and seconds < 100, (seconds, res.stderr[-2000:])
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error")]
+    assert errors[0].startswith(f"error: reward function {tmp / 'rewards.py'}:hangs did not return within "
+                                "grpo.reward_timeout_s=3 s on rank 1 (prompts "), res.stderr[-2000:]
+    assert len(errors) == 1 and "Timed out waiting" not in res.stderr
+    assert not (tmp / "hangs" / "checkpoints").exists() or not any((tmp / "hangs" / "checkpoints").iterdir())
+
+
+@pytest.mark.slow
+def test_a_collective_that_times_out_says_which_and_where(setup):
+    tmp, config = setup
+    res, _ = timed_run(tmp, config, "hangs_unstoppably", "grpo.reward_timeout_s=3", "distributed.timeout_s=30")
+    assert res.returncode == 1
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error")]
+    assert errors[0].startswith("error (rank 0): collective all_gather_object timed out after 30 s "
+                                "(distributed.timeout_s), called at llmtrain/rewards.py:"), res.stderr[-3000:]
+    assert "(score_everywhere): another rank did not reach it (stuck, or died: " in errors[0]

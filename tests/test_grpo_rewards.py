@@ -1,17 +1,25 @@
 """llmtrain.rewards: "module:function" and "file.py:function" load, and a missing module, file or function is a
 ConfigError naming the key and what is missing; functions are called as TRL calls them (prompts,
 completions as text or assistant messages, completion_ids, the other columns); one that raises, returns
-the wrong number of rewards or a non-number stops with one line naming it and the prompt index; None
-rewards become NaN; the built-ins exact_answer and format_regex score as documented."""
+the wrong number of rewards, a non-number or a non-finite number (NaN, inf, beyond float32) stops with one
+line naming it and the prompt index, one past grpo.reward_timeout_s with one naming it and the rank; None
+rewards become NaN, and a step where all are None says so; metrics.jsonl writes null, never NaN; the built-ins
+exact_answer and format_regex score as documented."""
 
 from __future__ import annotations
 
+import json
 import math
+import signal
+import time
 
 import pytest
+import torch
 
 from llmtrain.config import ConfigError
-from llmtrain.rewards import RewardError, exact_answer, format_regex, load, load_all, normalize, score
+from llmtrain.metrics import MetricsLogger
+from llmtrain.rewards import (RewardError, exact_answer, format_regex, load, load_all, none_applied, normalize,
+                              reward_timeout, score)
 
 
 def test_load_module_and_file(tmp_path):
@@ -88,3 +96,64 @@ def test_builtins():
     assert exact_answer(None, ["1"], None) == [None]  # no answer column: not applicable
     assert format_regex(None, ["work... #### 7", "7", "#### 7 and more"], None) == [1.0, 0.0, 0.0]
     assert format_regex(None, ["<a>1</a>", "1"], None, format=[r"<a>\d+</a>", r"<a>\d+</a>"]) == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("value, shown", [
+    ("float('nan')", "nan"), ("float('inf')", "inf"), ("-math.inf", "-inf"), ("1e300", "1e+300"), ("'nan'", "'nan'"),
+    ("numpy.float64('nan')", "np.float64(nan)")])
+def test_a_non_finite_reward_stops_with_one_line_naming_the_function_and_prompt(tmp_path, value, shown):
+    path = tmp_path / "r.py"
+    path.write_text(f"import math\nimport numpy\ndef odd(prompts, completions, completion_ids, **kw):\n"
+                    f"    return [0.5, {value}, None]\n")
+    with pytest.raises(RewardError) as e:
+        call([f"{path}:odd"], ["a", "b", "c"], prompt_index=[7, 8, 9])
+    assert str(e.value) == (f"reward function {path}:odd returned {shown} for prompt index 8; a reward must be a "
+                            "finite number within float32's range (|r| <= 3.403e+38), or None for not applicable")
+
+
+def test_a_step_where_every_reward_is_none_says_so():
+    funcs = [load("llmtrain.rewards:exact_answer"), load("llmtrain.rewards:format_regex")]
+    nan = torch.full((4, 2), math.nan)
+    assert none_applied(nan, funcs, [3, 5], step=12) == (
+        "step 12: every reward function (llmtrain.rewards:exact_answer, llmtrain.rewards:format_regex) returned None "
+        "(not applicable) for all 4 completions (prompts 3, 5): no reward, so every advantage is 0 and only the KL "
+        "term (grpo.beta) trains")
+    nan[2, 1] = 0.0
+    assert none_applied(nan, funcs, [3, 5], step=12) is None
+
+
+def test_a_reward_function_past_reward_timeout_s_stops_naming_it_and_the_rank(tmp_path):
+    path = tmp_path / "r.py"
+    path.write_text("import time\n"
+                    "def slow(prompts, completions, completion_ids, **kw):\n"
+                    "    try:\n"
+                    "        time.sleep(30)\n"
+                    "    except Exception:\n"  # a broad except in the user's code does not swallow the timeout
+                    "        pass\n"
+                    "    return [1.0] * len(completions)\n"
+                    "def fast(prompts, completions, completion_ids, **kw):\n"
+                    "    return [1.0] * len(completions)\n")
+    funcs = [load(f"{path}:fast"), load(f"{path}:slow")]
+    start = time.monotonic()
+    with pytest.raises(RewardError) as e:
+        score(funcs, ["p", "q"], ["a", "b"], [[1], [2]], {}, [4, 6], timeout_s=0.5, rank=3)
+    assert time.monotonic() - start < 5
+    assert str(e.value) == f"reward function {path}:slow did not return within grpo.reward_timeout_s=0.5 s on rank 3 " \
+                           "(prompts 4, 6)"
+    assert signal.getsignal(signal.SIGALRM) is signal.SIG_DFL and signal.getitimer(signal.ITIMER_REAL) == (0, 0)
+    assert score(funcs[:1], ["p"], ["a"], [[1]], {}, [4], timeout_s=0.5) == [[1.0]]
+
+
+def test_reward_timeout_s_defaults_to_half_the_collective_timeout_and_stays_below_it():
+    assert reward_timeout(None, 600) == 300 and reward_timeout(5, 600) == 5
+    with pytest.raises(ConfigError, match=r"^grpo\.reward_timeout_s=600 must be below distributed\.timeout_s=600: "):
+        reward_timeout(600, 600)
+
+
+def test_metrics_jsonl_writes_null_for_non_finite_values(tmp_path):
+    log = MetricsLogger(str(tmp_path), True, 2, 0, False)
+    log.log({"step": 1, "loss": math.nan, "rewards/f/mean": math.inf, "reward": 0.5, "nested": [-math.inf, 1.0]})
+    log.close()
+    text = (tmp_path / "metrics.jsonl").read_text()
+    record = json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl"))
+    assert record == {"step": 1, "loss": None, "rewards/f/mean": None, "reward": 0.5, "nested": [None, 1.0]}

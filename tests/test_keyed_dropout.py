@@ -88,7 +88,7 @@ def test_every_rank_numbers_a_steps_samples_alike():
 # -- real runs, lora.dropout on ------------------------------------------------------------------------
 LORA = ("lora.enabled=true", "lora.r=4", "lora.alpha=8", "lora.dropout=0.3", "train.lr=1e-2")
 FINETUNE, DPO, GRPO = (REPO / "recipes" / f"{n}.py" for n in ("finetune", "dpo", "grpo"))
-PAIRS = REPO / "data" / "demo" / "pairs.jsonl"
+PAIRS = REPO / "data" / "demo" / "preference.jsonl"
 GRPO_CONFIG = """\
 model:
   config: {hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4,
