@@ -97,7 +97,7 @@ def build(cfg: Config, env: distributed.DistEnv, recipe: str, registered: list[R
     policy = build_model(cfg.model, model_config, cfg.parallel, env, cfg.train.seed, cfg.lora, load=start is None)
     model = policy.model
     model.train()
-    distributed.seed_everything(cfg.train.seed + env.rank)  # per-rank dropout; the init above is shared
+    distributed.seed_everything(cfg.train.seed + env.rank)  # per rank; LoRA dropout is keyed (models/dropout.py)
 
     peak = optim.peak_lr(cfg.train, env.world_size)
     opt = optim.build_optimizer(model, cfg.train, peak, policy.no_decay)
