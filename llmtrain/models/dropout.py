@@ -14,7 +14,7 @@ The mask is a counter-based hash, computed elementwise on the activation's devic
 generator state): element (t, j) of a row is kept when mix(key(row, t) ^ key(layer, j)) >= p * 2^32, with
 mix a 32-bit integer finalizer. Position t counts from the row's start, so a row padded wider in another
 micro-batch layout keeps its mask on its own tokens. Cost: about ten elementwise int64 passes over the
-activation, no host round trip.
+activation (a few rows at a time, so the temporaries stay bounded), no host round trip.
 
 In eval mode the module is the identity, and so is a no-grad forward in training mode (GRPO's sampling-time
 log-probs): dropout regularizes the gradient's forward only. A forward with gradients in training mode
@@ -29,6 +29,7 @@ from torch import nn
 
 M32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9
+CHUNK = 1 << 26  # mask elements computed at once
 
 _keys: torch.Tensor | None = None  # [B] 63-bit keys of the current micro-batch's samples (module-global:
                                    # a CUDA backward, and so a recompute, runs on another thread)
@@ -75,8 +76,11 @@ def keep_mask(keys: torch.Tensor, layer: int, shape: torch.Size, p: float, devic
     t = torch.arange(positions, device=device)
     token = _mix(_mix(t[None] ^ row[:, None]) + GOLDEN & M32)                        # [rows, positions]
     feature = _mix(_mix(torch.arange(features, device=device) ^ layer) ^ GOLDEN)   # [features]
-    u = _mix(token[:, :, None] ^ feature)                                           # [rows, positions, features]
-    return (u >= int(p * 2 ** 32)).reshape(shape)
+    threshold = int(p * 2 ** 32)
+    # A few rows at a time: the int64 temporaries stay near CHUNK elements, not 8x the activation's bytes.
+    step = max(1, CHUNK // max(positions * features, 1))
+    keep = torch.cat([_mix(token[i:i + step, :, None] ^ feature) >= threshold for i in range(0, n, step)])
+    return keep.reshape(shape)
 
 
 class KeyedDropout(nn.Module):
