@@ -12,7 +12,11 @@ decoding: none, ddp and fsdp2 decode on the gathered module without a collective
 last token; under fsdp each forward is still collective (lockstep), so every rank runs the same number of
 forwards (a finished rank feeds padding) until every rank is done, agreed by a one-int all-reduce per step.
 
-Rows: prompts left-padded with an attention mask; finished rows keep decoding padding (masked).
+Rows: prompts left-padded with an attention mask. A row that samples an EOS leaves the batch (its rows
+of the input, attention mask, positions and KV cache are dropped; compaction), so each forward costs what
+the rows still sampling cost; every row's tokens go to its own slot of the output. The completions are
+the same as without compaction (compact=False: finished rows decode padding to the end), since a row's
+uniforms do not depend on the others. In lockstep (FSDP1) a rank with no row left feeds one padding row.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ class Completions(NamedTuple):
     mask: torch.Tensor       # [rows, width] bool: the completion's tokens, its first EOS included
     lengths: torch.Tensor    # [rows] long: mask.sum(1)
     truncated: torch.Tensor  # [rows] bool: max_tokens reached without an EOS
+    logps: torch.Tensor | None = None  # [rows, width] float32: each token's log-prob under the distribution it
+                                       # was sampled from (logits / temperature, top-k / top-p filtered); 0 elsewhere
 
 
 def sample_seed(*key: int) -> int:
@@ -88,10 +94,11 @@ def pick(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def generate(model: nn.Module, prompts: list[list[int]], keys: list[tuple[int, ...]], sampling: Sampling,
-             eos_ids: list[int], pad_id: int, device: torch.device) -> Completions:
+             eos_ids: list[int], pad_id: int, device: torch.device, compact: bool = True) -> Completions:
     """Sample one completion per prompt (repeat a prompt G times with G keys for a group). Collective
     under FSDP1 and FSDP2: every rank calls it, each with its own prompts (at least one). Run it under the
-    training's autocast when it has one."""
+    training's autocast when it has one. compact: finished rows leave the batch (False: they decode padding
+    to the end, for comparison; the same completions)."""
     if not prompts or len(prompts) != len(keys):
         raise ValueError(f"generate: {len(prompts)} prompts and {len(keys)} keys; need as many, at least one")
     rows, width = len(prompts), max(map(len, prompts))
@@ -102,11 +109,14 @@ def generate(model: nn.Module, prompts: list[list[int]], keys: list[tuple[int, .
         attention[i, width - len(p):] = 1
     ids, attention = ids.to(device), attention.to(device)
     positions = (attention.cumsum(1) - 1).clamp(min=0)
-    u = uniforms(keys, sampling.max_tokens)
+    u = uniforms(keys, sampling.max_tokens).to(device)
     eos = torch.tensor(sorted(set(eos_ids)), device=device)
     out = torch.full((rows, sampling.max_tokens), pad_id, dtype=torch.long, device=device)
-    done = torch.zeros(rows, dtype=torch.bool, device=device)
+    logps = torch.zeros(rows, sampling.max_tokens, device=device)
     ended = torch.zeros(rows, dtype=torch.bool, device=device)  # an EOS was sampled
+    # The batch's rows: live[j] is the slot (prompt index) of row j, running[j] whether it still samples.
+    live = torch.arange(rows, device=device)
+    running = torch.ones(rows, dtype=torch.bool, device=device)
     was_training = model.training
     model.eval()
     try:
@@ -116,26 +126,36 @@ def generate(model: nn.Module, prompts: list[list[int]], keys: list[tuple[int, .
                 result = module(input_ids=inputs, attention_mask=attention, position_ids=positions,
                                 cache=cache, use_cache=True, logits_to_keep=1)
                 cache = result.cache
-                logits = result.logits[:, -1].float() / sampling.temperature
-                token = pick(filter_logits(logits, sampling.top_k, sampling.top_p), u[:, step])
-                token = token.masked_fill(done, pad_id)
-                out[:, step] = token
-                ended |= ~done & torch.isin(token, eos)
-                done |= ended
+                logits = filter_logits(result.logits[:, -1].float() / sampling.temperature, sampling.top_k,
+                                       sampling.top_p)
+                token = pick(logits, u[live, step]).masked_fill(~running, pad_id)
+                slots = live[running]
+                out[slots, step] = token[running]
+                logps[slots, step] = logits[running].log_softmax(-1).gather(1, token[running, None]).squeeze(1)
+                stopped = running & torch.isin(token, eos)
+                ended[live[stopped]] = True
+                running &= ~stopped
                 step += 1
-                if _all_done(done, lockstep, device):
+                if _all_done(running, lockstep, device):
                     break
+                if compact and stopped.any():
+                    # The rows still sampling (in lockstep at least one: a rank with none left feeds one padding
+                    # row, so that it runs as many forwards as the others).
+                    keep = running.nonzero().squeeze(1) if running.any() else running.new_zeros(1, dtype=torch.long)
+                    cache.batch_select_indices(keep)
+                    live, running, token = live[keep], running[keep], token[keep]
+                    attention, positions = attention[keep], positions[keep]
                 inputs = token[:, None]
                 attention = F.pad(attention, (0, 1), value=1)
                 positions = positions[:, -1:] + 1
     finally:
         model.train(was_training)
-    out = out[:, :step]
+    out, logps = out[:, :step], logps[:, :step]
     # A row's tokens: up to and including its first EOS (all of them when it has none).
     first_eos = torch.where(torch.isin(out, eos), torch.arange(step, device=device), step).amin(1)
     mask = torch.arange(step, device=device)[None] <= first_eos[:, None]
     out = out.masked_fill(~mask, pad_id)
-    return Completions(out, mask, mask.sum(1), ~ended)
+    return Completions(out, mask, mask.sum(1), ~ended, logps.masked_fill(~mask, 0.0))
 
 
 def from_lists(tokens: list[list[int]], truncated: list[bool], pad_id: int) -> Completions:
@@ -148,10 +168,10 @@ def from_lists(tokens: list[list[int]], truncated: list[bool], pad_id: int) -> C
     return Completions(ids, torch.arange(width)[None] < lengths[:, None], lengths, torch.tensor(truncated))
 
 
-def _all_done(done: torch.Tensor, lockstep: bool, device: torch.device) -> bool:
-    """This rank's rows all done; in lockstep, every rank's (one all-reduce)."""
+def _all_done(running: torch.Tensor, lockstep: bool, device: torch.device) -> bool:
+    """No row of this rank still sampling; in lockstep, of any rank (one all-reduce)."""
     if not lockstep:
-        return bool(done.all())
-    pending = (~done).any().long().reshape(1).to(device)
+        return not bool(running.any())
+    pending = running.any().long().reshape(1).to(device)
     dist.all_reduce(pending)
     return not pending.item()
