@@ -268,3 +268,14 @@ def test_a_collective_that_times_out_says_which_and_where(setup):
     assert errors[0].startswith("error (rank 0): collective all_gather_object timed out after 30 s "
                                 "(distributed.timeout_s), called at llmtrain/rewards.py:"), res.stderr[-3000:]
     assert "(score_everywhere): another rank did not reach it (stuck, or died: " in errors[0]
+
+
+@pytest.mark.slow
+def test_the_local_engine_does_not_drift(runs):
+    """The local sampler's log-probs are the trainer's (fp32, no top-k / top-p): the drift guard logs ~0
+    differences and importance ratios ~1 at every step, every strategy, resumed or not."""
+    for run in ("one", "fsdp2", "fsdp", "part", "lora_two"):
+        for r in records(runs / run):
+            assert 0 <= r["sampling/logprob_diff/mean"] <= r["sampling/logprob_diff/max"] < 1e-4, (run, r["step"])
+            for k in ("min", "mean", "max"):
+                assert r[f"sampling/importance_ratio/{k}"] == pytest.approx(1, abs=1e-4), (run, r["step"], k)

@@ -19,6 +19,18 @@ the reference's:
 m_it = 1 on trained completion tokens (up to and including the first EOS; none of a truncated completion
 with mask_truncated_completions).
 
+Drift guard (importance_weights, TRL 1.16's vllm_importance_sampling_correction): with π_eng the log-probs
+the engine sampled with (logits / temperature after top-k / top-p, as sampled) and π_old the trainer's
+recomputation at sampling time (num_iterations = 1: the detached current log-probs),
+    d_it = π_old - π_eng;  w = exp(d_it) per token (importance_level token) or exp(Σ_t d_it m_it) per
+    completion (sequence);  tis: min(w, C);  mis: w where w <= C, else 0;  none: not applied
+with C = importance_cap; the surrogate term is multiplied by it: ℓ_it = -w min(ρ A, clip(ρ) A) + beta k3.
+With top-k / top-p the engine's distribution is the filtered one, so d measures the filtering too (as
+TRL's with vLLM's processed log-probs). Metrics (drift_metrics): sampling/logprob_diff/mean, /max (|d|
+over trained tokens; TRL: sampling/sampling_logp_difference) and sampling/importance_ratio/min, /mean, /max
+(of w as applied, the raw w with none; TRL: sampling/importance_sampling_ratio), over trained tokens or,
+at the sequence level, over completions with a trained token (TRL: every completion).
+
 Aggregation (loss_type), over the step's global batch of N completions of every rank and micro-batch:
   grpo     Σ_i (Σ_t ℓ m / max(Σ_t m, 1)) / N: each completion's token mean, averaged over completions
            (TRL: the same per micro-batch, then averaged over accumulation steps and ranks; equal when
@@ -53,6 +65,8 @@ SCALE_REWARDS = ("group", "batch", "none")
 METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 EXTREMES = ("clip_ratio/low_min", "clip_ratio/high_max")  # over completions: reduced with MIN, not summed
 STD_EPS = 1e-4  # TRL's: A = (r - mean) / (std + 1e-4)
+CORRECTIONS = ("none", "tis", "mis")
+IMPORTANCE_LEVELS = ("token", "sequence")
 
 
 def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -123,14 +137,54 @@ class PolicySums(NamedTuple):
     metrics: torch.Tensor  # Σ over trained tokens of each METRICS entry (detached)
     minima: torch.Tensor   # [clip_ratio/low_min, -clip_ratio/high_max] over the micro-batch's completions
                            # (inf without any): combine with MIN (torch.minimum, all_reduce MIN)
+    drift: torch.Tensor | None = None         # with engine log-probs: [Σ |d| m, Σ m, Σ w u, Σ u] (u: the ratio's
+                                              # units, trained tokens or completions with one), summed
+    drift_minima: torch.Tensor | None = None  # [-max |d|, min w, -max w] over them (inf without any): MIN
+
+
+def importance_weights(trainer_logps: torch.Tensor, engine_logps: torch.Tensor, mask: torch.Tensor, correction: str,
+                       cap: float, level: str) -> torch.Tensor:
+    """The drift guard's weight w of each token, [completions, positions] (module docstring): exp(π_old - π_eng)
+    per token or per completion (level), truncated at cap (tis), zeroed beyond it (mis) or raw (none). At the
+    sequence level each token carries its completion's w."""
+    m = mask.float()
+    d = (trainer_logps.float() - engine_logps.float()) * m
+    if level == "sequence":
+        d = d.sum(1, keepdim=True).expand_as(m)
+    elif level != "token":
+        raise ValueError(f"grpo.importance_level: {level!r}; choose one of {', '.join(IMPORTANCE_LEVELS)}")
+    w = torch.exp(d)
+    if correction == "tis":
+        return w.clamp(max=cap)
+    if correction == "mis":
+        return w.masked_fill(w > cap, 0.0)
+    if correction != "none":
+        raise ValueError(f"grpo.importance_correction: {correction!r}; choose one of {', '.join(CORRECTIONS)}")
+    return w
+
+
+def _drift(trainer_logps: torch.Tensor, engine_logps: torch.Tensor, w: torch.Tensor, mask: torch.Tensor,
+           level: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """PolicySums.drift and .drift_minima of a micro-batch."""
+    m = mask.bool()
+    diff = (trainer_logps.float() - engine_logps.float()).abs()[m]
+    ratios = w[m] if level == "token" else w[:, 0][m.any(1)]
+    inf = torch.tensor(float("inf"), device=w.device)
+    sums = torch.stack([diff.sum(), m.sum().to(diff.dtype), ratios.sum(), torch.tensor(float(len(ratios)),
+                                                                                       device=w.device)])
+    minima = torch.stack([-diff.max() if len(diff) else inf, ratios.min() if len(ratios) else inf,
+                          -ratios.max() if len(ratios) else inf])
+    return sums, minima
 
 
 def policy_sums(logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, old_logps: torch.Tensor | None,
                 ref_logps: torch.Tensor | None, loss_type: str, epsilon: float, epsilon_high: float | None,
-                beta: float, bias_correction_kl: bool = True) -> PolicySums:
+                beta: float, bias_correction_kl: bool = True, engine_logps: torch.Tensor | None = None,
+                correction: str = "none", cap: float = 2.0, level: str = "token") -> PolicySums:
     """logps, old_logps, ref_logps: [completions, positions] per-token log-probs (to_grid); mask: the trained
     tokens; advantages: [completions]. old_logps None: num_iterations = 1 (the detached current log-probs).
-    ref_logps: needed when beta > 0. bias_correction_kl: grpo.use_bias_correction_kl."""
+    ref_logps: needed when beta > 0. bias_correction_kl: grpo.use_bias_correction_kl. engine_logps: the
+    engine's log-probs of the same tokens, for the drift guard (grpo.importance_correction, _cap, _level)."""
     if beta and ref_logps is None:
         raise ValueError("grpo.beta > 0 needs the reference's log-probs")
     m = mask.float()
@@ -140,6 +194,10 @@ def policy_sums(logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Tenso
     high = epsilon if epsilon_high is None else epsilon_high
     ratio = torch.exp(logps - old)
     per_token = -torch.min(ratio * adv, ratio.clamp(1 - epsilon, 1 + high) * adv)
+    if engine_logps is not None:
+        w = importance_weights(old, engine_logps, m, correction, cap, level)
+        if correction != "none":
+            per_token = per_token * w
     kl = torch.zeros_like(m)
     if beta:
         delta = ref_logps.float() - logps
@@ -163,7 +221,8 @@ def policy_sums(logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Tenso
         inf = torch.tensor(float("inf"), device=m.device)
         low_frac, high_frac = (low * m).sum(1)[scored] / n, (high_clipped * m).sum(1)[scored] / n
         minima = torch.stack([low_frac.min() if len(n) else inf, -high_frac.max() if len(n) else inf])
-    return PolicySums(loss, metrics, minima)
+        drift = _drift(old, engine_logps, w, m, level) if engine_logps is not None else (None, None)
+    return PolicySums(loss, metrics, minima, *drift)
 
 
 def objective(sums: PolicySums, totals: torch.Tensor, loss_type: str, max_completion_length: int) -> torch.Tensor:
@@ -190,3 +249,15 @@ def metrics(summed: torch.Tensor, minima: torch.Tensor | None, tokens: float, be
     if low != float("inf"):
         out.update({EXTREMES[0]: low, EXTREMES[1]: -neg_high})
     return out
+
+
+DRIFT = ("sampling/logprob_diff/mean", "sampling/logprob_diff/max", "sampling/importance_ratio/min",
+         "sampling/importance_ratio/mean", "sampling/importance_ratio/max")
+
+
+def drift_metrics(summed: torch.Tensor, minima: torch.Tensor) -> dict[str, float]:
+    """DRIFT from PolicySums.drift summed and .drift_minima combined with MIN over micro-batches and ranks
+    (0 without a trained token, as TRL)."""
+    diff, tokens, ratios, units = summed.tolist()
+    neg_max_diff, low, neg_high = (0.0 if v == float("inf") else v for v in minima.tolist())
+    return dict(zip(DRIFT, (diff / max(tokens, 1), 0.0 - neg_max_diff, low, ratios / max(units, 1), 0.0 - neg_high)))

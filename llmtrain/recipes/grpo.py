@@ -48,7 +48,9 @@ grpo.num_generations times. data.seq_len is the prompt's budget (longer prompts 
 Writes to output_dir what recipes/finetune.py writes; metrics.jsonl adds TRL's names: reward, reward_std,
 rewards/<func>/mean and /std, frac_reward_zero_std, kl (grpo.beta > 0), completions/mean_length, /min_length,
 /max_length, /clipped_ratio, clip_ratio/low_mean, /high_mean, /region_mean, and generation_s,
-generated_tokens_per_s; log.completions_every_steps: sampled completions to output_dir/completions.jsonl.
+generated_tokens_per_s, and the drift guard's sampling/logprob_diff/mean, /max, sampling/importance_ratio/min,
+/mean, /max (grpo.importance_correction); log.completions_every_steps: sampled completions to
+output_dir/completions.jsonl.
 """
 LOGGED_PROMPTS = 4  # prompts (each with all its completions) per completions.jsonl record set
 
@@ -91,6 +93,16 @@ class GRPOSection:
     llmtrain.rewards:exact_answer, llmtrain.rewards:format_regex."""
     reward_weights: list[float] = ranged("[0, inf)", default_factory=list)
     """One weight per reward function (empty: all 1); a penalty is a function returning negative rewards."""
+    importance_correction: Literal["none", "tis", "mis"] = "none"
+    """Correct for the engine's log-probs differing from the trainer's (TRL's vllm_importance_sampling_*): tis
+    multiplies each token's policy-gradient loss by min(exp(trainer - engine log-prob), importance_cap)
+    (truncated importance sampling), mis by that ratio where it is <= importance_cap and 0 beyond (masked);
+    none logs the ratio (sampling/importance_ratio/*) only."""
+    importance_cap: float = ranged("(0, inf)", default=2.0)
+    """C of grpo.importance_correction: tis truncates the ratio at C, mis masks what exceeds C."""
+    importance_level: Literal["token", "sequence"] = "token"
+    """grpo.importance_correction's ratio per token, or per completion (exp of the sum of its tokens' log-prob
+    differences, applied to all its tokens; TRL's sequence_* modes)."""
     reward_timeout_s: float | None = ranged("(0, inf)", default=None)
     """Seconds a reward function's call may take on a rank; beyond, the run stops (exit 1) with one line naming
     the function and the rank. Must be below distributed.timeout_s (None: half of it)."""
@@ -151,6 +163,7 @@ class PolicyObjective:
 
     def __init__(self, section: GRPOSection, token_loss):
         self.section, self.token_loss = section, token_loss
+        self.drift_minima = None  # the step's PolicySums.drift_minima so far, combined by share(), used by report()
 
     def counts(self, batch: dict) -> torch.Tensor:
         return policy.policy_counts(keep(batch))
@@ -160,12 +173,19 @@ class PolicyObjective:
         logps = policy.to_grid(self.token_loss.token_logps(model, batch, g.temperature), trained)
         sums = policy.policy_sums(logps, trained, batch["advantages"], batch.get("old_logps"),
                                   batch.get("ref_logps"), g.loss_type, g.epsilon, g.epsilon_high, g.beta,
-                                  g.use_bias_correction_kl)
+                                  g.use_bias_correction_kl, batch["engine_logps"], g.importance_correction,
+                                  g.importance_cap, g.importance_level)
         part = policy.objective(sums, totals[1:], g.loss_type, g.max_completion_length)
-        return Share(part, torch.cat([part.detach().reshape(1), sums.metrics]))
+        self.drift_minima = sums.drift_minima if self.drift_minima is None else torch.minimum(self.drift_minima,
+                                                                                              sums.drift_minima)
+        return Share(part, torch.cat([part.detach().reshape(1), sums.metrics, sums.drift]))
 
     def report(self, metrics: torch.Tensor, totals: torch.Tensor) -> tuple[float, dict]:
-        return metrics[0].item(), policy.metrics(metrics[1:], None, int(totals[2]), self.section.beta)
+        n = 1 + len(policy.METRICS)
+        minima = distributed.all_reduce(self.drift_minima, ReduceOp.MIN)  # every rank reports: a collective
+        self.drift_minima = None
+        return metrics[0].item(), {**policy.metrics(metrics[1:n], None, int(totals[2]), self.section.beta),
+                                   **policy.drift_metrics(metrics[n:], minima)}
 
 
 class Rollouts:
@@ -173,7 +193,8 @@ class Rollouts:
     rewards, group-relative advantages over every rank's rewards, and the training rows (with the sampling-time
     log-probs when num_iterations > 1, the reference's when beta > 0), reused num_iterations times. Its state
     (num_iterations > 1) is the generation batch, every rank's, JSON-able: completion token ids, truncation,
-    advantages, sampling-time and reference log-probs of the trained tokens, the batch's metrics."""
+    advantages, the trainer's sampling-time, the engine's and the reference's log-probs of the trained tokens,
+    the batch's metrics."""
 
     def __init__(self, run: Run, prompts: PromptSteps, engine: Engine, sampling: Sampling, funcs: list,
                  ref: Reference | None, pad: int):
@@ -236,26 +257,27 @@ class Rollouts:
                    "completions/max_length": all_lengths.max().item(),
                    "completions/clipped_ratio": truncated.float().mean().item(),
                    "generation_s": seconds, "generated_tokens_per_s": generated / max(seconds, 1e-9)}
-        micro = self.batches(prompts, out.tokens, out.truncated, adv.advantages[rows.start:rows.stop].tolist())
-        old = self.set_logps(micro, "old_logps", self.sampled_logps(micro, out.logps)) if out.logps else None
+        micro = self.batches(prompts, out.tokens, out.truncated, adv.advantages[rows.start:rows.stop].tolist(),
+                             out.logps)
+        old = self.set_logps(micro, "old_logps", self.trainer_logps(micro)) if g.num_iterations > 1 else None
         ref = self.set_logps(micro, "ref_logps", self.reference_logps(micro)) if self.ref else None
         every_n = run.cfg.log.completions_every_steps
         if every_n and index % every_n == 0:
             self.log_completions(rows, prompt_index, prompts, texts, out.tokens, out.truncated, per_func, adv,
                                  run.state.step + 1)
         if g.num_iterations > 1:  # every rank's part, for a checkpoint in the middle of the batch
-            parts = distributed.gather_objects((out.tokens, out.truncated, old, ref))
+            parts = distributed.gather_objects((out.tokens, out.truncated, old, ref, out.logps))
             self.held = {"step": index, "advantages": adv.advantages.tolist(), "metrics": metrics,
                          **{k: sum((p[i] for p in parts), []) if parts[0][i] is not None else None
-                            for i, k in enumerate(("completions", "truncated", "old", "ref"))}}
+                            for i, k in enumerate(("completions", "truncated", "old", "ref", "engine"))}}
         return micro, metrics
 
     def restore(self, prompts: dict) -> tuple[list[dict], dict]:
         """A resume in the middle of a generation batch: this rank's micro-batches from the checkpoint's."""
-        held, rows = self.held, self.mine()
+        held, rows = {"engine": self.held["old"], **self.held}, self.mine()  # saved before the drift guard: none
         part = {k: held[k][rows.start:rows.stop] if held[k] is not None else None
-                for k in ("completions", "truncated", "advantages", "old", "ref")}
-        micro = self.batches(prompts, part["completions"], part["truncated"], part["advantages"])
+                for k in ("completions", "truncated", "advantages", "old", "ref", "engine")}
+        micro = self.batches(prompts, part["completions"], part["truncated"], part["advantages"], part["engine"])
         n = self.run.cfg.train.micro_batch_size
         for i, b in enumerate(micro):
             for key, name in (("old", "old_logps"), ("ref", "ref_logps")):
@@ -270,22 +292,29 @@ class Rollouts:
                                             self.reward_timeout, self.run.env.rank)
         return torch.tensor(per_func, dtype=torch.float64)
 
-    def batches(self, prompts: dict, tokens: list[list[int]], truncated: list[bool],
-                advantages: list[float]) -> list[dict]:
-        """This rank's micro-batches of training rows (prompt + completion) with their advantages."""
+    def batches(self, prompts: dict, tokens: list[list[int]], truncated: list[bool], advantages: list[float],
+                engine: list[list[float]]) -> list[dict]:
+        """This rank's micro-batches of training rows (prompt + completion) with their advantages and the engine's
+        log-probs of the trained tokens (engine_logps; a completion left out of the loss,
+        grpo.mask_truncated_completions, has none)."""
         g, n, rows, device = self.section, self.run.cfg.train.micro_batch_size, self.mine(), self.run.env.device
         ids = [prompts["prompt_ids"][c // g.num_generations] for c in rows]
         micro = micro_batches(ids, tokens, truncated, self.pad, n, g.mask_truncated_completions, device)
-        return [{**b, "advantages": torch.tensor(advantages[i * n:(i + 1) * n], device=device),
-                 SAMPLE_INDEX: torch.tensor(rows[i * n:(i + 1) * n], device=device)}  # keys its dropout
-                for i, b in enumerate(micro)]
+        for i, b in enumerate(micro):
+            part = slice(i * n, (i + 1) * n)
+            trained = [x for row, cut in zip(engine[part], truncated[part])
+                       if not (cut and g.mask_truncated_completions) for x in row]
+            b.update(advantages=torch.tensor(advantages[part], device=device),
+                     engine_logps=policy.to_grid(torch.tensor(trained, device=device), keep(b)))
+            b[SAMPLE_INDEX] = torch.tensor(rows[part], device=device)  # keys its dropout
+        return micro
 
-    def sampled_logps(self, micro: list[dict], logps: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The engine's log-probs of each micro-batch's trained tokens, flat (a completion left out of the loss,
-        grpo.mask_truncated_completions, has none)."""
-        n = self.run.cfg.train.micro_batch_size
-        return [torch.cat([lp for lp, trained in zip(logps[i * n:(i + 1) * n], keep(b).any(1)) if trained])
-                for i, b in enumerate(micro)]
+    def trainer_logps(self, micro: list[dict]) -> list[torch.Tensor]:
+        """The policy's log-probs of each micro-batch's trained tokens at sampling time, flat (num_iterations > 1:
+        the ratio's denominator; the loss's own computation, so that the first update's ratio is exactly 1)."""
+        run, t = self.run, self.section.temperature
+        with torch.no_grad(), run.autocast():
+            return [run.token_loss.token_logps(run.model, b, t) for b in micro]
 
     def reference_logps(self, micro: list[dict]) -> list[torch.Tensor]:
         """The reference's log-probs of each micro-batch's trained tokens, flat (beta > 0: the KL term)."""
@@ -352,8 +381,7 @@ class GRPO(Recipe):
         # Every rank gets the step's whole batch of prompts (global batch / G) and samples its share of completions.
         steps = data.make_steps(built, run.global_batch // g.num_generations, 1, 1, 0, cfg.train.seed, run.env.device,
                                 run.state.data)
-        engine = LocalEngine(run.model, run.autocast, eos, pad, run.env.device, run.token_loss.token_logps,
-                             cfg.train.micro_batch_size if g.num_iterations > 1 else 0)
+        engine = LocalEngine(run.model, run.autocast, eos, pad, run.env.device)
         return built, Rollouts(run, PromptSteps(steps, g.num_iterations, run.state.data), engine,
                                Sampling(g.max_completion_length, g.temperature, g.top_p, g.top_k), funcs, ref, pad)
 
