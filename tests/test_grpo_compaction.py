@@ -1,4 +1,4 @@
-"""llmtrain.generation's compaction (finished rows leave the batch) samples exactly what decoding every row to
+"""llmtrain.rollout.local's compaction (finished rows leave the batch) samples exactly what decoding every row to
 the end samples: the same token ids, masks, lengths and truncation, bit for bit, at several temperatures and
 top-k / top-p, with completions of very different lengths (an EOS id the model favours stops most rows early),
 and log-probs equal to the last bits; the log-probs are those of the sampled tokens under the distribution
@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from helpers import REPO
 from helpers.procs import launch
-from llmtrain.generation import Sampling, filter_logits, generate
+from llmtrain.rollout.local import Sampling, filter_logits, generate
 
 VOCAB, PAD, MAX = 48, 0, 24
 CPU = torch.device("cpu")
@@ -80,7 +80,7 @@ WORKER = textwrap.dedent("""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
     sys.path.insert(0, sys.argv[3])
     from test_grpo_compaction import CPU, KEYS, MAX, PAD, ROWS, Sampling, model_and_eos
-    from llmtrain.generation import generate
+    from llmtrain.rollout.local import generate
 
     strategy, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")

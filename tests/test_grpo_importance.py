@@ -11,8 +11,10 @@ import math
 import pytest
 import torch
 
-from llmtrain.config import ConfigError
+from helpers import TINY
+from llmtrain.config import ConfigError, load_config
 from llmtrain.losses import policy
+from llmtrain.recipes.grpo import GRPOConfig
 
 ROWS, WIDTH, MAX_LEN, CAP = 5, 6, 8, 2.0
 EPS, EPS_HIGH = 0.2, 0.28
@@ -137,10 +139,8 @@ def test_an_engine_that_agrees_logs_no_drift():
 
 
 def test_bad_values_name_the_key():
-    ok = policy.GRPOSection(reward_funcs=["llmtrain.rewards:exact_answer"])
-    for change, key in [(dict(importance_correction="is"), "grpo.importance_correction"),
-                        (dict(importance_level="batch"), "grpo.importance_level"),
-                        (dict(importance_cap=0.0), "grpo.importance_cap")]:
+    for key, value in [("grpo.importance_correction", "is"), ("grpo.importance_level", "batch"),
+                       ("grpo.importance_cap", 0.0), ("grpo.engine", "tgi")]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as e:
-            policy.check(policy.GRPOSection(**{**ok.__dict__, **change}))
+            load_config(TINY, [f"{key}={value!r}"], GRPOConfig)
         assert "\n" not in str(e.value)

@@ -28,7 +28,7 @@ from llmtrain.losses import policy
 from llmtrain.losses.token import next_token_targets
 from llmtrain.models import hf as model_lib
 from llmtrain.recipes.base import Recipe
-from llmtrain.rollout.engine import Engine, LocalEngine
+from llmtrain.rollout.engine import Engine, LocalEngine, check_engine
 from llmtrain.rollout.local import Sampling
 from llmtrain.rollout.rows import micro_batches
 from llmtrain.train.build import Reference, Run, build_data, reference
@@ -93,6 +93,10 @@ class GRPOSection:
     llmtrain.rewards:exact_answer, llmtrain.rewards:format_regex."""
     reward_weights: list[float] = ranged("[0, inf)", default_factory=list)
     """One weight per reward function (empty: all 1); a penalty is a function returning negative rewards."""
+    engine: Literal["local", "transformers", "vllm"] = "local"
+    """What samples the completions: local (llmtrain.rollout.local's keyed sampler in the training processes, the
+    same completions at any world size, strategy or resume); transformers (continuous batching) and vllm
+    (colocated, CUDA only) are not wired in yet and are refused at set-up."""
     importance_correction: Literal["none", "tis", "mis"] = "none"
     """Correct for the engine's log-probs differing from the trainer's (TRL's vllm_importance_sampling_*): tis
     multiplies each token's policy-gradient loss by min(exp(trainer - engine log-prob), importance_cap)
@@ -357,6 +361,8 @@ class GRPO(Recipe):
         self.check_existing_model(cfg, "configs/demo-grpo.yaml")
         check(cfg.grpo)
         check_batch(cfg, distributed.world_size_from_env())  # before any process group: torchrun's WORLD_SIZE
+        device = cfg.distributed.device
+        check_engine(cfg.grpo.engine, device == "cuda" or (device == "auto" and torch.cuda.is_available()))
         rewards.load_all(cfg.grpo.reward_funcs)  # a missing module, file or function: exit 2 here
         rewards.reward_timeout(cfg.grpo.reward_timeout_s, cfg.distributed.timeout_s)
         if cfg.train.loss_impl == "liger":

@@ -19,6 +19,7 @@ from typing import Callable, NamedTuple, Protocol
 import torch
 from torch import nn
 
+from llmtrain.config import ConfigError
 from llmtrain.rollout.local import Sampling, generate
 
 
@@ -58,3 +59,14 @@ class LocalEngine:
 
     def update_weights(self, step: int) -> None:
         """Samples from the training model itself: its weights are always the policy's."""
+
+
+ENGINES = {"local": LocalEngine}  # grpo.engine's choices built so far (transformers and vllm: docs/grpo.md)
+
+
+def check_engine(name: str, cuda: bool) -> None:
+    """grpo.engine at set-up (its choices are GRPOSection's Literal): vllm on a CUDA device only, and built."""
+    if name == "vllm" and not cuda:
+        raise ConfigError("grpo.engine: vllm runs on CUDA GPUs only and this run is on CPU; use grpo.engine=local")
+    if name not in ENGINES:
+        raise ConfigError(f"grpo.engine: {name} is not wired into recipes/grpo.py yet; use grpo.engine=local")

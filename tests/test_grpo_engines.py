@@ -1,0 +1,114 @@
+"""grpo.engine: the vLLM glue of llmtrain.rollout.vllm against a fake vLLM (no vllm installed: RequestOutput-
+shaped answers from an LLM.generate stand-in): one request per row with its key's seed, the sampling
+parameters and EOS ids as stop tokens; the answers read back as Completions with the sampled tokens' log-probs,
+cut after the first EOS, truncation flagged, and reproducible by key whatever the batch; and grpo.engine's
+set-up check: vllm on CPU refused in one line naming the key, engines not wired in refused likewise."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from llmtrain.config import ConfigError
+from llmtrain.rollout.local import Sampling, sample_seed
+from llmtrain.rollout.rows import training_rows
+from llmtrain.rollout.vllm import from_vllm, vllm_requests
+from llmtrain.losses import policy
+from llmtrain.rollout.engine import check_engine
+
+EOS, PAD, VOCAB = [2, 3], 0, 24
+
+
+class FakeLLM:
+    """vllm.LLM.generate's contract: each request's tokens from its own seed (uniform over VOCAB, every
+    token's log-prob log(1/VOCAB) + a per-position offset), stopping at a stop token (kept) or max_tokens."""
+
+    def generate(self, prompts: list[dict], params: list[dict]) -> list:
+        out = []
+        for prompt, p in zip(prompts, params):
+            g = torch.Generator().manual_seed(p["seed"])
+            ids, logprobs = [], []
+            for t in range(p["max_tokens"]):
+                token = int(torch.randint(1, VOCAB, (1,), generator=g))
+                ids.append(token)
+                logprobs.append({token: SimpleNamespace(logprob=-2.5 - 0.01 * t, rank=1)})
+                if token in p["stop_token_ids"]:
+                    break
+            reason = "stop" if ids[-1] in p["stop_token_ids"] else "length"
+            out.append(SimpleNamespace(prompt_token_ids=prompt["prompt_token_ids"], outputs=[SimpleNamespace(
+                token_ids=tuple(ids), logprobs=logprobs if p["logprobs"] is not None else None,
+                finish_reason=reason)]))
+        return out
+
+
+PROMPTS = [[1, 4, 6], [1, 5], [1, 7, 9, 11]]
+ROWS = [p for p in PROMPTS for _ in range(2)]
+KEYS = [(5, 0, i // 2, i % 2) for i in range(len(ROWS))]
+SAMPLING = Sampling(max_tokens=10, temperature=0.8, top_p=0.9, top_k=0)
+
+
+def sample(rows, keys, sampling=SAMPLING):
+    requests = vllm_requests(rows, keys, sampling, EOS)
+    return requests, from_vllm(FakeLLM().generate(*map(list, zip(*requests))), EOS, PAD)
+
+
+def test_requests_carry_the_rows_keys_and_sampling():
+    requests, _ = sample(ROWS, KEYS)
+    assert [r["prompt_token_ids"] for r, _ in requests] == ROWS
+    params = [p for _, p in requests]
+    assert [p["seed"] for p in params] == [sample_seed(*k) for k in KEYS] and len({p["seed"] for p in params}) == 6
+    assert {(p["n"], p["temperature"], p["top_p"], p["top_k"], p["max_tokens"], p["logprobs"],
+             tuple(p["stop_token_ids"])) for p in params} == {(1, 0.8, 0.9, -1, 10, 0, (2, 3))}  # top_k 0: -1
+    assert vllm_requests(ROWS[:1], KEYS[:1], Sampling(4, top_k=5), EOS)[0][1]["top_k"] == 5
+
+
+def test_answers_read_back_as_completions_with_logprobs():
+    _, c = sample(ROWS, KEYS)
+    raw = FakeLLM().generate(*map(list, zip(*vllm_requests(ROWS, KEYS, SAMPLING, EOS))))
+    assert c.truncated.any() and not c.truncated.all()
+    for i, request in enumerate(raw):
+        out = request.outputs[0]
+        n = int(c.lengths[i])
+        assert c.ids[i, :n].tolist() == list(out.token_ids) and c.ids[i, n:].eq(PAD).all()
+        assert bool(c.truncated[i]) == (out.finish_reason == "length") == (out.token_ids[-1] not in EOS)
+        assert c.mask[i].tolist() == [True] * n + [False] * (c.ids.shape[1] - n)
+        assert torch.allclose(c.logps[i, :n], torch.tensor([-2.5 - 0.01 * t for t in range(n)]))
+        assert c.logps[i, n:].eq(0).all()
+    # The same keys in another batch and order: the same completions (vLLM seeds each request).
+    _, alone = sample(ROWS[3:4], KEYS[3:4])
+    assert alone.ids[0, :alone.lengths[0]].tolist() == c.ids[3, :c.lengths[3]].tolist()
+
+
+def test_engine_logprobs_reach_the_drift_guard_on_the_trained_tokens():
+    """training_rows' trained tokens line up with the engine's log-probs (to_grid), as recipes/grpo.py lays
+    them out: an engine agreeing with the trainer gives ratio 1, one off by 0.1 nats exp(0.1)."""
+    _, c = sample(ROWS, KEYS)
+    rows = training_rows(ROWS, c, PAD, mask_truncated=False)
+    keep = torch.cat([rows["labels"][:, 1:] != -100, torch.zeros(len(ROWS), 1, dtype=torch.bool)], 1)
+    engine = policy.to_grid(c.logps[c.mask], keep)
+    sums = policy.policy_sums(engine + 0.1, keep, torch.ones(len(ROWS)), None, None, "dapo", 0.2, None, 0.0,
+                              engine_logps=engine, correction="tis", cap=2.0)
+    got = policy.drift_metrics(sums.drift, sums.drift_minima)
+    assert got["sampling/logprob_diff/max"] == pytest.approx(0.1, abs=1e-5)
+    assert got["sampling/importance_ratio/mean"] == pytest.approx(torch.tensor(0.1).exp().item(), rel=1e-5)
+
+
+def test_answers_without_logprobs_are_refused():
+    requests = vllm_requests(ROWS, KEYS, SAMPLING, EOS)
+    raw = FakeLLM().generate([r for r, _ in requests], [{**p, "logprobs": None} for _, p in requests])
+    with pytest.raises(ValueError, match="logprobs=0"):
+        from_vllm(raw, EOS, PAD)
+
+
+@pytest.mark.parametrize("engine, cuda, message", [
+    ("vllm", False, "grpo.engine: vllm runs on CUDA GPUs only and this run is on CPU"),
+    ("vllm", True, "grpo.engine: vllm is not wired into recipes/grpo.py yet"),
+    ("transformers", False, "grpo.engine: transformers is not wired into recipes/grpo.py yet"),
+])
+def test_engine_choice_is_checked_at_set_up(engine, cuda, message):
+    check_engine("local", cuda)
+    with pytest.raises(ConfigError, match=message) as e:
+        check_engine(engine, cuda)
+    assert "\n" not in str(e.value)
