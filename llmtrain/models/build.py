@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import PretrainedConfig
@@ -33,11 +34,12 @@ class BuiltModel:
 
 def build_model(section: ModelConfig, config: PretrainedConfig, parallel: ParallelConfig, env: distributed.DistEnv,
                 seed: int, lora_section: LoraConfig | None = None, *, load: bool = True,
-                frozen_next_to: BuiltModel | None = None) -> BuiltModel:
+                frozen_next_to: BuiltModel | None = None, frozen_dtype: torch.dtype | None = None) -> BuiltModel:
     """Build `section`'s model (config: hf.load_model_config's). lora_section (enabled): adapters injected on
     the meta model, so that every strategy wraps them with their layer. load=False leaves the weights empty
     (NaN) for a checkpoint to fill. frozen_next_to: a frozen copy (no gradients, eval mode) sharded on that
-    model's mesh with its strategy's frozen variant (Strategy.frozen)."""
+    model's mesh with its strategy's frozen variant (Strategy.frozen), computing in frozen_dtype (None: that
+    model's compute dtype; a distillation teacher has its own)."""
     model = hf.build_meta_model(config, section)
     adapters = None
     if lora_section is not None:
@@ -51,7 +53,8 @@ def build_model(section: ModelConfig, config: PretrainedConfig, parallel: Parall
         plan = parallelize.resolve(parallel, n_trained, env.world_size, env.device, frozen_bytes)
         mesh = distributed.build_mesh(env, parallel.replicate)
     else:
-        plan = dataclasses.replace(frozen_next_to.plan, strategy=frozen_next_to.plan.strategy.frozen())
+        plan = dataclasses.replace(frozen_next_to.plan, strategy=frozen_next_to.plan.strategy.frozen(),
+                                   dtype=frozen_dtype or frozen_next_to.plan.dtype)
         mesh = frozen_next_to.mesh
     model = parallelize.parallelize(model, parallel, plan, mesh, env.device)
     if load or adapters is not None:  # LoRA: a checkpoint holds only the adapters; the base comes from here
