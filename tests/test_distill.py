@@ -1,0 +1,153 @@
+"""recipes/distill.py with the tiny reference run's export as teacher and a smaller inline student (same
+tokenizer): step 1's loss and its KD / CE parts equal the formulas computed in transformers on the same
+weights and batch; a student equal to its teacher has KD 0; the same losses and eval metrics for none / ddp /
+fsdp / fsdp2, 1 or 2 ranks, micro-batches or accumulation; exact resume on another world size and strategy;
+bad inputs are one line, exit 2, before any process group."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import REPO
+from helpers.procs import finish_recipe, losses_by_step, read_metrics, run_recipe, run_side_by_side, start_recipe
+from llmtrain import data
+from llmtrain.config import DataConfig
+from llmtrain.models.hf import load_tokenizer
+
+DISTILL = REPO / "recipes" / "distill.py"
+VAL = REPO / "data" / "demo" / "val.jsonl"
+TOL = 2e-5
+STUDENT = ("model.config.hidden_size=16", "model.config.num_hidden_layers=1")
+KD = ("distill.loss=jsd", "distill.jsd_beta=0.3", "distill.top_k=8", "distill.kd_weight=0.7",
+      "distill.temperature=1.5")
+EVAL = (f"data.val_path={VAL}", "eval.every_steps=4", "eval.max_batches=2")
+
+
+def distill_args(teacher: Path, *extra: str) -> list[str]:
+    return [f"distill.teacher_path={teacher}", *STUDENT, *KD, *extra]
+
+
+@pytest.fixture(scope="session")
+def distill_runs(tmp_path_factory, base) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("distill")
+    runs = {  # name: (ranks, overrides); global batch 4 rows in each
+        "none": (1, ("parallel.strategy=none", "checkpoint.every_steps=2", *EVAL)),
+        "ddp": (2, ("parallel.strategy=ddp", "train.micro_batch_size=2")),
+        "fsdp": (2, ("parallel.strategy=fsdp", "train.micro_batch_size=2")),
+        "fsdp2": (2, ("parallel.strategy=fsdp2", "train.micro_batch_size=1", "train.grad_accum_steps=2", *EVAL)),
+    }
+    results = run_side_by_side({name: (root / name, ranks, distill_args(base, *extra), DISTILL)
+                                for name, (ranks, extra) in runs.items()}, at_once=2)
+    for name, res in results.items():
+        (root / name / "stdout.log").write_text(res.stdout)
+    return {name: root / name for name in runs}
+
+
+def reference_kd(student_logits, teacher_logits, vocab, beta, temperature, top_k) -> torch.Tensor:
+    """Per token, from whole logits, as TRL's generalized_jsd_loss writes it (F.kl_div), with the top-k bucket."""
+    s = F.log_softmax(student_logits[:, :vocab] / temperature, -1)
+    t = F.log_softmax(teacher_logits[:, :vocab] / temperature, -1)
+    ids = t.topk(top_k, -1).indices
+    inside = torch.zeros_like(t, dtype=torch.bool).scatter(1, ids, True)
+    s, t = ([torch.cat([x.gather(1, ids), torch.log((x.exp() * ~inside).sum(-1, keepdim=True))], 1) for x in (s, t)])
+    m = torch.logsumexp(torch.stack([s + torch.log(torch.tensor(1 - beta)), t + torch.log(torch.tensor(beta))]), 0)
+    return (beta * F.kl_div(m, t, reduction="none", log_target=True)
+            + (1 - beta) * F.kl_div(m, s, reduction="none", log_target=True)).sum(-1)
+
+
+@pytest.mark.slow
+def test_distill_step_one_equals_the_formulas(distill_runs, base):
+    """The student's seeded init (hf._random_init: seed 7, its exported config) and the teacher on step 1's
+    batch in transformers: the logged loss, kd_loss and ce_loss."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(str(REPO / "assets" / "tokenizer"), False)
+    built = data.build(DataConfig(path=str(VAL), seq_len=64, packing=True), tokenizer, seed=7)
+    (batch,) = next(data.make_steps(built, 4, 1, 1, 0, 7, torch.device("cpu"), {}))
+    torch.manual_seed(7)
+    student = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(distill_runs["none"] / "hf"),
+                                               dtype=torch.float32)
+    teacher = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    targets = batch["labels"][:, 1:]
+    keep = targets != -100
+    with torch.no_grad():
+        logits = [m(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits[:, :-1][keep].float()
+                  for m in (student, teacher)]
+    kd = reference_kd(*logits, len(tokenizer), 0.3, 1.5, 8).mean().item()
+    ce = F.cross_entropy(logits[0], targets[keep]).item()
+    got = read_metrics(distill_runs["none"])[0]
+    assert got["kd_loss"] == pytest.approx(kd, abs=1e-5) and got["ce_loss"] == pytest.approx(ce, abs=1e-5)
+    assert got["loss"] == pytest.approx(0.7 * kd + 0.3 * ce, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_distill_losses_match_across_strategies_ranks_and_accumulation(distill_runs):
+    want = losses_by_step(distill_runs["none"])
+    assert len(want) == 4 and want[4] < want[1], want
+    for name in ("ddp", "fsdp", "fsdp2"):
+        got = losses_by_step(distill_runs[name])
+        assert got == pytest.approx(want, abs=TOL), name
+    evals = [[r for r in read_metrics(distill_runs[n]) if "val_loss" in r][0] for n in ("none", "fsdp2")]
+    for key in ("val_loss", "val_kd_loss", "val_teacher_loss"):
+        assert evals[1][key] == pytest.approx(evals[0][key], abs=TOL), key
+    assert evals[0]["val_teacher_loss"] < evals[0]["val_loss"]  # the trained teacher against a fresh student
+
+
+@pytest.mark.slow
+def test_distill_resumes_exactly_on_another_world_size(tmp_path, distill_runs, base):
+    out = tmp_path / "resumed"
+    (out / "checkpoints").mkdir(parents=True)
+    shutil.copytree(distill_runs["none"] / "checkpoints" / "step_2", out / "checkpoints" / "step_2")
+    res = run_recipe(out, *distill_args(base, "parallel.strategy=fsdp2", "train.micro_batch_size=2"), nproc=2,
+                     script=DISTILL)
+    assert "resumed at step 2" in res.stdout
+    got, want = losses_by_step(out), losses_by_step(distill_runs["none"])
+    assert [got[s] for s in (3, 4)] == pytest.approx([want[s] for s in (3, 4)], abs=TOL)
+
+
+@pytest.mark.slow
+def test_distill_student_equal_to_teacher_has_no_kd(tmp_path, base):
+    res = run_recipe(tmp_path / "same", "model.config=null", f"model.path={base}", f"distill.teacher_path={base}",
+                     "train.max_steps=1", "distill.top_k=8", torchrun=False, script=DISTILL)
+    (step,) = read_metrics(tmp_path / "same")
+    assert abs(step["kd_loss"]) < 1e-6 and abs(step["loss"]) < 1e-6, res.stdout[-2000:]
+
+
+def other_vocabulary(base: Path, out: Path, grow: bool) -> Path:
+    """A copy of the teacher whose tokenizer has one more token (grow) or two ids' strings swapped."""
+    shutil.copytree(base, out)
+    spec = json.loads((out / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    if grow:
+        vocab["zzextra"] = len(vocab)
+    else:
+        (a, i), (b, j) = list(vocab.items())[300:302]
+        vocab[a], vocab[b] = j, i
+    (out / "tokenizer.json").write_text(json.dumps(spec))
+    return out
+
+
+@pytest.mark.slow
+def test_distill_bad_inputs_are_one_line_before_any_process_group(tmp_path, base):
+    cases = {
+        ("distill.teacher_path=outputs/nowhere/hf",): "distill.teacher_path: no such directory: outputs/nowhere/hf",
+        (f"distill.teacher_path={other_vocabulary(base, tmp_path / 'grown', True)}",): "has 513 tokens",
+        (f"distill.teacher_path={other_vocabulary(base, tmp_path / 'swapped', False)}",): "token id 300 is",
+        ("distill.top_k=100000",): "distill.top_k: 100000 is not below the vocabulary's",
+        ("distill.loss=kl",): "distill.loss",
+        ("train.loss_impl=full",): "train.loss_impl: recipes/distill.py computes its loss chunked",
+    }
+    procs = {}  # all at once: each stops in its set-up
+    for i, overrides in enumerate(cases):
+        args = [a for a in distill_args(base) if not a.startswith(tuple(o.split("=")[0] + "=" for o in overrides))]
+        procs[overrides] = start_recipe(tmp_path / f"bad{i}", *args, *overrides, torchrun=False, script=DISTILL)
+    for overrides, proc in procs.items():
+        res = finish_recipe(proc, check=False)
+        assert res.returncode == 2 and cases[overrides] in res.stderr, (overrides, res.stderr[-2000:])
+        assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr[-2000:]
