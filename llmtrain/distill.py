@@ -65,7 +65,9 @@ def check(cfg: DistillConfig) -> None:
         raise ConfigError("distill.teacher_path: not set; name the teacher's Hugging Face model directory")
     teacher = Path(d.teacher_path)
     if not teacher.is_dir():
-        raise ConfigError(f"distill.teacher_path: no such directory: {d.teacher_path}")
+        raise ConfigError(f"distill.teacher_path: no such directory: {d.teacher_path} (configs/demo-distill.yaml's "
+                          "teacher is the SFT demo's export: run torchrun --standalone --nproc_per_node=2 "
+                          "recipes/finetune.py --config configs/demo.yaml first)")
     if not (teacher / "config.json").is_file():
         raise ConfigError(f"distill.teacher_path: {d.teacher_path} has no config.json (not a Hugging Face model "
                           "directory)")

@@ -28,7 +28,7 @@ MODULE = re.compile(r"-m\s+(llmtrain(?:\.\w+)+)")
 MAKE = re.compile(r"(?<![\w-])make\s+(?:[A-Z_]+=\S*\s+)*([a-z][\w-]*)")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.MULTILINE)
-SECTIONS = "model|tokenizer|data|parallel|distributed|train|eval|checkpoint|log|lora|dpo"
+SECTIONS = "model|tokenizer|data|parallel|distributed|train|eval|checkpoint|log|lora|dpo|distill"
 # A config key as written in the docs: a whole code span (`lora.r`, `train.lr=1e-4`, `dpo.beta: 0.1`) or an
 # override on a command line; `parallel.*` and file names (`model.safetensors`) are not keys.
 CONFIG_SPAN = re.compile(rf"^((?:{SECTIONS})(?:\.[a-z_][a-z0-9_]*)+)(?:=\S*|: .*)?$")
