@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from llmtrain.losses import distill as kd
 
-V, PAD, H, N = 37, 5, 16, 23  # shared vocabulary, the student's padding rows, hidden size, trained tokens
+V, PAD, H, N = 37, 5, 16, 23  # shared vocabulary, the student's padding rows (the teacher's: 2), hidden size, tokens
 
 
 def reference(student_logits, teacher_logits, targets, loss, beta, temperature, top_k, kd_weight):
@@ -45,7 +45,7 @@ def setup(seed=0):
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(N, H, generator=g, dtype=torch.float64).float()
     weight = (torch.randn(V + PAD, H, generator=g) * 0.5).requires_grad_()
-    teacher_logits = torch.randn(N, V, generator=g) * 2
+    teacher_logits = torch.randn(N, V + 2, generator=g) * 2  # padded too, by another amount
     targets = torch.randint(0, V, (N,), generator=g)
     return hidden, weight, teacher_logits, targets
 
