@@ -1,2 +1,3 @@
 """Losses, one module each: token (token-weighted cross-entropy, full / chunked / liger; per-token
-log-probs) and preference (DPO, IPO, SimPO). A new loss goes here; a recipe picks it."""
+log-probs), preference (DPO, IPO, SimPO), policy (the GRPO family) and distill (chunked logit KD). A new
+loss goes here; a recipe picks it."""
