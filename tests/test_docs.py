@@ -344,7 +344,7 @@ def test_lists_of_configs_and_benchmarks_are_whole():
 
 def test_the_first_sentence_names_every_recipe():
     first = " ".join(text(REPO / "README.md").split("\n\n")[1].split()).split(". ")[0]
-    assert all(name in first for name in ("supervised fine-tuning", "LoRA", "DPO", "GRPO")), first
+    assert all(name in first for name in ("supervised fine-tuning", "LoRA", "DPO", "GRPO", "distillation")), first
 
 
 def test_curve_figures_are_what_the_script_prints():

@@ -158,7 +158,7 @@ class TokenLoss:
     def loss_sum(self, model: nn.Module, batch: dict) -> torch.Tensor:
         if self.impl == "full":
             return token_loss_sum(self._logits(model, batch), batch["labels"])
-        return self._on_trained_rows(model, batch, self._liger if self.impl == "liger" else self._chunked)
+        return self.on_trained_rows(model, batch, self._liger if self.impl == "liger" else self._chunked)
 
     def token_logps(self, model: nn.Module, batch: dict, temperature: float = 1.0) -> torch.Tensor:
         """Log-probs (fp32) of the trained tokens, flat in row-major order (token_logps() of the full logits),
@@ -170,13 +170,13 @@ class TokenLoss:
         if self.impl == "liger":  # recipes refuse it before start-up; this names the reason for library callers
             raise ConfigError("train.loss_impl=liger yields only a summed loss, not per-token log-probs; "
                               "use train.loss_impl=chunked or full")
-        return self._on_trained_rows(model, batch, lambda hidden, flat: self._chunked_logps(hidden, flat, temperature))
+        return self.on_trained_rows(model, batch, lambda hidden, flat: self._chunked_logps(hidden, flat, temperature))
 
     @staticmethod
     def _logits(model: nn.Module, batch: dict) -> torch.Tensor:
         return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
 
-    def _on_trained_rows(self, model: nn.Module, batch: dict, fn) -> torch.Tensor:
+    def on_trained_rows(self, model: nn.Module, batch: dict, fn) -> torch.Tensor:
         """The model's forward, returning fn(final hidden states of the trained positions, their targets)."""
         targets = next_token_targets(batch["labels"])
         keep = targets != IGNORE  # untrained positions (prompt, padding) never reach the output layer
@@ -198,14 +198,14 @@ class TokenLoss:
     def _chunked(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
             return -self._no_grad_logps(hidden, targets).sum()
-        return _ChunkedHeadLoss.apply(self, hidden, targets, *self._head_inputs(hidden))
+        return _ChunkedHeadLoss.apply(self, hidden, targets, *self.head_inputs(hidden))
 
     def _chunked_logps(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
         if not torch.is_grad_enabled():  # e.g. DPO's reference: nothing to recompute
             return self._no_grad_logps(hidden, targets, temperature)
-        return _ChunkedHeadLogps.apply(self, hidden, targets, temperature, *self._head_inputs(hidden))
+        return _ChunkedHeadLogps.apply(self, hidden, targets, temperature, *self.head_inputs(hidden))
 
-    def _head_inputs(self, hidden: torch.Tensor) -> list[torch.Tensor | None]:
+    def head_inputs(self, hidden: torch.Tensor) -> list[torch.Tensor | None]:
         """What the chunked Functions take the output layer's gradient for: a plain nn.Linear's own weight
         and bias (plain, FSDP2's gathered or FSDP1's views of its flat parameter: autograd carries their
         gradients on to the wrappers), else the leaves its graph reaches."""

@@ -5,8 +5,9 @@ tools find them (their config classes: python -m llmtrain.data, the docs' and co
 from __future__ import annotations
 
 from llmtrain.recipes.base import Recipe
+from llmtrain.recipes.distill import Distill
 from llmtrain.recipes.dpo import DPO
 from llmtrain.recipes.grpo import GRPO
 from llmtrain.recipes.sft import Finetune
 
-RECIPES: dict[str, type[Recipe]] = {r.name: r for r in (Finetune, DPO, GRPO)}
+RECIPES: dict[str, type[Recipe]] = {r.name: r for r in (Finetune, DPO, GRPO, Distill)}

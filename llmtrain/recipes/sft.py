@@ -57,9 +57,13 @@ class Finetune(Recipe):
         self.val = built.val
         self.objective = TokenObjective(run.token_loss)
 
-    def evaluate(self, at_step: int) -> dict:
+    def val_batches(self):
+        """This rank's share of the validation rows (every rank as many batches)."""
         run, cfg = self.run, self.run.cfg
-        batches = data.eval_batches(self.val, cfg.train.micro_batch_size, run.env.world_size, run.env.rank,
-                                    cfg.eval.max_batches)
-        val_loss, _ = loss_lib.evaluate(run.model, batches, run.env.device, run.autocast, run.token_loss)
+        return data.eval_batches(self.val, cfg.train.micro_batch_size, run.env.world_size, run.env.rank,
+                                 cfg.eval.max_batches)
+
+    def evaluate(self, at_step: int) -> dict:
+        run = self.run
+        val_loss, _ = loss_lib.evaluate(run.model, self.val_batches(), run.env.device, run.autocast, run.token_loss)
         return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}

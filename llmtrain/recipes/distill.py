@@ -1,7 +1,8 @@
-"""recipes/distill.py's own library part (to move into llmtrain/recipes/distill/ with the recipe packages): the
-distill: config section, its set-up checks (before any process group), the teacher (a frozen model from
-distill.teacher_path next to the student, sharded like DPO's reference) and the objective: the token-weighted
-KD + CE sums of llmtrain.losses.distill over the trained tokens, with no [tokens x vocab] logits of either model.
+"""Knowledge distillation (recipes/distill.py): the distill: config section, its set-up checks (before any process
+group), the teacher (a frozen model from distill.teacher_path next to the student, sharded like DPO's reference)
+and the objective: the token-weighted KD + CE sums of llmtrain.losses.distill over the trained tokens, with no
+[tokens x vocab] logits of either model; its eval adds the KD and the teacher's loss. The data and the rest are
+supervised fine-tuning's (llmtrain/recipes/sft.py) and the shared body's (llmtrain/recipes/base.py).
 
 How the two forwards meet: the student's forward hands the final hidden states of its trained positions to
 the step (TokenLoss's hook on its output layer, so that FSDP holds that layer gathered); there, the teacher's
@@ -23,10 +24,27 @@ from llmtrain.losses import distill as kd
 from llmtrain.losses.token import TokenLoss, trained_tokens
 from llmtrain.models import hf
 from llmtrain.models.build import BuiltModel, build_model
+from llmtrain.recipes.sft import Finetune
 from llmtrain.train.build import Run
 from llmtrain.train.step import Share
 from llmtrain.utils import DTYPES
 
+USAGE = """\
+Knowledge distillation of a student (model.path, or an inline model.config) on a teacher (distill.teacher_path)
+with DDP, FSDP or FSDP2 on GPUs (NCCL) or CPUs (gloo).
+
+  torchrun --nproc_per_node=N recipes/distill.py --config configs/demo-distill.yaml [key.sub=value ...]
+
+The data are finetune's (text, instruction, chat) with its masks: the loss is taken on the tokens SFT trains.
+Per trained token: distill.kd_weight x the divergence of the student's next-token distribution from the
+teacher's (distill.loss: forward_kl, reverse_kl or jsd with distill.jsd_beta; at distill.temperature; over the
+teacher's distill.top_k ids and a bucket for the rest, or the whole vocabulary) + (1 - distill.kd_weight) x the
+student's cross-entropy on the labels. Neither model's [tokens x vocab] logits exist: both are taken a chunk of
+tokens at a time (docs/distill.md). Teacher and student must share the tokenizer's vocabulary.
+
+Writes to output_dir what recipes/finetune.py writes; metrics.jsonl adds kd_loss and ce_loss (per trained
+token); with eval.every_steps, val_loss (the student's cross-entropy), val_kd_loss and val_teacher_loss.
+"""
 METRICS = ("kd_loss", "ce_loss")  # per trained token, beside the logged loss (their kd_weight mix)
 
 
@@ -130,7 +148,7 @@ class Teacher:
             return hidden.new_zeros(())  # nothing differentiable leaves the teacher's forward
 
         with torch.no_grad(), self.autocast():
-            self.token_loss._on_trained_rows(self.built.model, batch, inside)
+            self.token_loss.on_trained_rows(self.built.model, batch, inside)
 
     def describe(self, section: DistillSection) -> str:
         b = self.built
@@ -158,7 +176,7 @@ class KDObjective:
         def on_student(hidden, targets):
             device = hidden.device.type
             student_autocast = (torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
-            leaves = student._head_inputs(hidden) if grad else []
+            leaves = student.head_inputs(hidden) if grad else []
 
             def student_logits(h):
                 with torch.autocast(device, dtype=student_autocast[0], enabled=student_autocast[1]):
@@ -177,7 +195,7 @@ class KDObjective:
             teacher.run(batch, on_teacher)
             return out[0].loss
 
-        student._on_trained_rows(model, batch, on_student)
+        student.on_trained_rows(model, batch, on_student)
         return out[0]
 
     def counts(self, batch: dict) -> torch.Tensor:
@@ -212,3 +230,22 @@ class KDObjective:
         n = totals[3].clamp(min=1)
         return {"val_loss": (totals[0] / n).item(), "val_kd_loss": (totals[1] / n).item(),
                 "val_teacher_loss": (totals[2] / n).item()}
+
+
+class Distill(Finetune):
+    name = "distill"
+    config_cls = DistillConfig
+    usage = USAGE
+
+    def check(self, cfg: DistillConfig) -> None:
+        check(cfg)
+
+    def setup(self, run, built) -> None:
+        super().setup(run, built)
+        section = run.cfg.distill
+        self.teacher = Teacher(run, section)
+        run.metrics.info(self.teacher.describe(section))
+        self.objective = KDObjective(run.token_loss, self.teacher, section, len(run.tokenizer))
+
+    def evaluate(self, at_step: int) -> dict:
+        return self.objective.evaluate(self.run.model, self.val_batches(), self.run.env.device, self.run.autocast)
