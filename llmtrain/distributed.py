@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import signal
 import socket
 import sys
@@ -256,6 +257,7 @@ def _agent_store() -> dist.Store | None:
 _LOST = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused",
          "remote process exited", "ncclremoteerror", "socket closed", "timed out waiting", "watchdog caught",
          "timeout(ms)")
+_TIMEOUT = re.compile(r"timed out waiting (\d+) ?ms")  # gloo's
 _COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
                 "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "barrier", "monitored_barrier",
                 "gather", "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single",
@@ -293,8 +295,8 @@ def _repo_path(filename: str) -> str:
 
 def lost_peer(e: BaseException, rank: int) -> str | None:
     """The one line for a collective that failed because a peer went away or never answered (gloo's 'Connection
-    reset by peer', NCCL's 'remote process exited', a timeout): which rank lost whom where. None for any other
-    error."""
+    reset by peer', NCCL's 'remote process exited', a timeout): which rank lost whom, in which collective, called
+    where (the first frame of llmtrain or a recipe outside this module's helpers). None for any other error."""
     text = f"{type(e).__name__}: {e}".lower()
     if not (isinstance(e, (RuntimeError, dist.DistError)) and any(k in text for k in _LOST)):
         return None
@@ -302,17 +304,24 @@ def lost_peer(e: BaseException, rank: int) -> str | None:
     if dead:
         who = "; ".join(f"rank {r} {how}" for r, how in dead.items())
     elif _peers:
-        who = "no rank on this node died: one on another node died or hung?"
+        who = "no rank on this node died: one is stuck (in a reward function, a data loader?) or one on another " \
+              "node died or hung"
     else:
         who = "a peer died or hung?"
     frames = traceback.extract_tb(e.__traceback__)
-    collective = next((f.name for f in reversed(frames) if f.name in _COLLECTIVES and "distributed" in f.filename),
-                      "a collective")
-    ours = next((f for f in reversed(frames) if ("/llmtrain/" in f.filename or "/recipes/" in f.filename)
-                 and "site-packages" not in f.filename), None)
-    where = f" in {_repo_path(ours.filename)}:{ours.lineno} `{ours.line}`" if ours else ""
-    verb = "timed out waiting for a peer" if "timed out" in text or "timeout" in text else \
-        "lost its connection to a peer"
+    collective = next((f.name for f in frames if f.name in _COLLECTIVES and "distributed" in f.filename),
+                      "a collective")  # the outermost: all_gather_object, not the all_gather inside it
+    ours = [f for f in frames if ("/llmtrain/" in f.filename or "/recipes/" in f.filename)
+            and "site-packages" not in f.filename]
+    site = next((f for f in reversed(ours) if Path(f.filename).resolve() != Path(__file__).resolve()),
+                ours[-1] if ours else None)  # the caller of a helper here (gather_objects, all_reduce)
+    where = f" in {_repo_path(site.filename)}:{site.lineno} ({site.name}) `{site.line}`" if site else ""
+    if waited := _TIMEOUT.search(text):
+        verb = f"timed out after {int(waited.group(1)) / 1000:g} s (distributed.timeout_s) waiting for a peer"
+    elif "timed out" in text or "timeout" in text:
+        verb = "timed out waiting for a peer"
+    else:
+        verb = "lost its connection to a peer"
     return f"rank {rank} {verb} ({who}) at {collective}{where}"
 
 

@@ -10,7 +10,7 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-from llmtrain import checkpoint, data, distributed, export, launch, lock, parallelize, timeouts
+from llmtrain import checkpoint, data, distributed, export, launch, lock, parallelize
 from llmtrain import metrics as metrics_lib
 from llmtrain.config import Config, ConfigError, RunError, describe, load_config, to_yaml
 from llmtrain.losses import token as loss_lib
@@ -134,8 +134,7 @@ def report(e: Exception, output_dir: str, rank: int) -> str:
         line = f"error: {lost}; newest checkpoint: {newest} ({where})"
     else:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        summary = timeouts.describe(e) or (str(e) if expected
-                                           else f"training failed: {type(e).__name__}: {first[:500]}")
+        summary = str(e) if expected else f"training failed: {type(e).__name__}: {first[:500]}"
         prefix = "error:" if getattr(e, "collective", False) else f"error (rank {rank}):"
         line = f"{prefix} {summary} ({where})"
     if not getattr(e, "collective", False) or rank == 0:
