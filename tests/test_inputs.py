@@ -142,13 +142,13 @@ def test_recipe_stops_with_one_line(tmp_path, truncated_model):
     raw["model"] = {"path": str(truncated_model)}
     from_model = write(tmp_path / "from_model.yaml", yaml.safe_dump(raw))
     cases = {
-        "strict": ([f"data.path={bad}", "data.strict=true"], rf"error \(rank 0\): {bad}, line 101: malformed JSON"),
+        "strict": ([f"data.path={bad}", "data.strict=true"], rf"(?m)^error: {bad}, line 101: malformed JSON"),
         "weights": (["--config", from_model],
-                    rf"error: model.path: {truncated_model}/model.safetensors is not a readable safetensors"),
-        "seq_len": (["data.seq_len=128"], r"error \(rank 0\): data.seq_len=128 is longer than the model's "
+                    rf"(?m)^error: model.path: {truncated_model}/model.safetensors is not a readable safetensors"),
+        "seq_len": (["data.seq_len=128"], r"(?m)^error: data.seq_len=128 is longer than the model's "
                                           "max_position_embeddings=64"),
         "batch": (["train.micro_batch_size=1000"],
-                  r"error \(rank 0\): the training data gives \d+ rows .* fewer than one step's global batch of 1000"),
+                  r"(?m)^error: the training data gives \d+ rows .* fewer than one step's global batch of 1000"),
     }
     procs = {name: start([REPO / "recipes" / "finetune.py", "--config", TINY, f"output_dir={tmp_path / name}",
                           *overrides], torchrun=False) for name, (overrides, _) in cases.items()}

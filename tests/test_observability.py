@@ -413,7 +413,7 @@ def test_plot_cli(observed, tmp_path):
 
 @pytest.mark.slow
 def test_generate_cli_matches_transformers(observed):
-    from llmtrain import generate
+    from llmtrain.tools import generate
 
     out, _ = observed
     res = launch(["-m", "llmtrain.tools.generate", "--model", out / "hf", "--prompt", "Hello there", "--chat",

@@ -69,10 +69,11 @@ def test_a_refusal_under_torchrun_is_printed_once(tmp_path):
                        env={"LLMTRAIN_EXIT_FILE": str(codes)}), timeout=120)
     line = "error: unknown config key 'train.lrr'; did you mean 'train.lr'?"
     assert lines(res.stderr, "error") == [line], res.stderr
-    assert res.stderr.count(line) == 3  # the console's line, and each rank's cause in torchrun's report
-    assert len(re.findall(rf"traceback : {re.escape(line)}\n", res.stderr)) == 2, res.stderr
-    assert len(re.findall(r"exitcode\s*:\s*2 ", res.stderr)) == 2 and res.returncode == 1
-    assert codes.read_text() == "2\n2\n"
+    # torchrun's report gives it as the cause, and exit code 2, of each rank that refused before torchrun stopped
+    # the group (it SIGTERMs the others when the first fails: usually both refused by then, not always).
+    assert 1 <= len(re.findall(rf"traceback : {re.escape(line)}\n", res.stderr)) <= 2, res.stderr
+    assert 1 <= len(re.findall(r"exitcode\s*:\s*2 ", res.stderr)) <= 2 and res.returncode == 1
+    assert codes.read_text() in ("2\n", "2\n2\n")
     assert not (tmp_path / "out").exists()
 
 
@@ -127,7 +128,8 @@ def test_a_killed_rank_is_named_with_the_newest_checkpoint(tmp_path):
     newest = complete_checkpoints(tmp_path / "checkpoints")[-1][1]
     assert re.fullmatch(
         r"error: rank 0 lost its connection to a peer \(rank 1 (was killed by SIGKILL|is gone \(torchrun's report "
-        r"says how it ended\))\) at (a collective|\w+) in (llmtrain|recipes)/\S+\.py:\d+ `.+`; newest checkpoint: "
+        r"says how it ended\))\) at (a collective|\w+) in (llmtrain|recipes)/\S+\.py:\d+ \(\w+\) `.+`; "
+        r"newest checkpoint: "
         + re.escape(f"{newest} (a rerun resumes from it) (traceback in {tmp_path / 'errors-rank0.log'})"),
         errors[0]), errors[0]
     assert "Connection reset by peer" not in res.stderr and "pair.cc" not in res.stderr
