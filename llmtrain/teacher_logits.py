@@ -158,7 +158,7 @@ class Store:
     def take(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The stored log-probs [tokens, k + 1] and ids [tokens, k] (int64) of these samples' trained tokens,
         in order."""
-        if (self.start[positions] < 0).any():
+        if len(positions) and (int(positions.max()) >= len(self.start) or (self.start[positions] < 0).any()):
             raise ConfigError(f"{KEY}: stream positions {positions.tolist()} are not all stored")
         rows = torch.cat([torch.arange(a, a + c) for a, c in zip(self.start[positions].tolist(),
                                                                  self.count[positions].tolist())])

@@ -48,8 +48,12 @@ teacher's distill.top_k ids and a bucket for the rest, or the whole vocabulary) 
 student's cross-entropy on the labels. Neither model's [tokens x vocab] logits exist: both are taken a chunk of
 tokens at a time (docs/distill.md). Teacher and student must share the tokenizer's vocabulary.
 
+Offline teacher: python -m llmtrain.tools.distill_precompute --config ... --out DIR writes the teacher's top-k
+log-probs of every trained token once; distill.teacher_logits=DIR then trains without loading the teacher.
+
 Writes to output_dir what recipes/finetune.py writes; metrics.jsonl adds kd_loss and ce_loss (per trained
-token); with eval.every_steps, val_loss (the student's cross-entropy), val_kd_loss and val_teacher_loss.
+token); with eval.every_steps, val_loss (the student's cross-entropy), val_kd_loss and val_teacher_loss
+(offline: val_loss and val_ppl only).
 """
 METRICS = ("kd_loss", "ce_loss")  # per trained token, beside the logged loss (their kd_weight mix)
 
