@@ -16,6 +16,7 @@ llmtrain.tools.distill_precompute), which StoredSource attaches to each micro-ba
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal, Protocol
@@ -24,7 +25,7 @@ import torch
 
 from llmtrain import data, distributed
 from llmtrain import teacher_logits as stored
-from llmtrain.config import Config, ConfigError, ModelConfig, ParallelConfig, ranged
+from llmtrain.config import Config, ConfigError, ModelConfig, ranged
 from llmtrain.losses import distill as kd
 from llmtrain.losses.token import TokenLoss, trained_tokens
 from llmtrain.models import hf
@@ -218,7 +219,7 @@ class Teacher:
     def alone(cls, cfg: DistillConfig, env: distributed.DistEnv, vocab: int) -> Teacher:
         """Without a student (the precompute): sharded by parallel.* itself, computing in its dtype."""
         source, config = cls.source(cfg)
-        parallel = ParallelConfig(**{**vars(cfg.parallel), "mixed_precision": cls.dtype_name(cfg)})
+        parallel = dataclasses.replace(cfg.parallel, mixed_precision=cls.dtype_name(cfg))
         built = build_model(source, config, parallel, env, cfg.train.seed)
         built.model.requires_grad_(False)
         built.model.eval()
