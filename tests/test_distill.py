@@ -4,9 +4,9 @@ weights and batch; a student equal to its teacher has KD 0; the same losses and 
 fsdp / fsdp2, 1 or 2 ranks, micro-batches or accumulation; exact resume on another world size and strategy;
 bad inputs are one line, exit 2, before any process group. The offline teacher (distill.teacher_logits): its
 top-k log-probs precomputed by 2 ranks give the online teacher's losses step by step (1 rank none, 2 ranks
-fsdp2 with accumulation) without loading it, eval logs the student's val_loss only, and a store that is not
-the run's (missing, incomplete, other data, another tokenizer, top_k or temperature, a damaged shard) is one
-line, exit 2, before any process group."""
+fsdp2 with accumulation) without loading it, and resume exactly onto another world size; eval logs the
+student's val_loss only; a store that is not the run's (missing, incomplete, other data, another tokenizer,
+top_k or temperature, a damaged shard) is one line, exit 2, before any process group."""
 
 from __future__ import annotations
 
@@ -184,7 +184,7 @@ def offline_runs(tmp_path_factory, base, store, distill_runs) -> dict[str, Path]
     root = tmp_path_factory.mktemp("distill-offline")
     val = distill_runs["none"].parent / "val.jsonl"  # the online runs' 10 validation rows
     runs = {  # the online runs' layouts (global batch 4 rows)
-        "none": (1, ("parallel.strategy=none",)),
+        "none": (1, ("parallel.strategy=none", "checkpoint.every_steps=2")),
         "fsdp2": (2, ("parallel.strategy=fsdp2", "train.micro_batch_size=1", "train.grad_accum_steps=2",
                       f"data.val_path={val}", "eval.every_steps=4")),
     }
@@ -218,6 +218,18 @@ def test_offline_teacher_gives_the_online_losses(offline_runs, distill_runs, sto
     (offline_eval,) = [r for r in read_metrics(offline_runs["fsdp2"]) if "val_loss" in r]
     assert offline_eval["val_loss"] == pytest.approx(online_eval["val_loss"], abs=TOL)
     assert "val_kd_loss" not in offline_eval and "val_teacher_loss" not in offline_eval
+
+
+@pytest.mark.slow
+def test_offline_teacher_resumes_exactly_on_another_world_size(tmp_path, offline_runs, base, store):
+    out = tmp_path / "resumed"
+    (out / "checkpoints").mkdir(parents=True)
+    shutil.copytree(offline_runs["none"] / "checkpoints" / "step_2", out / "checkpoints" / "step_2")
+    res = run_recipe(out, *distill_args(base, f"distill.teacher_logits={store}", "parallel.strategy=fsdp2",
+                                        "train.micro_batch_size=2"), nproc=2, script=DISTILL)
+    assert "resumed at step 2" in res.stdout
+    got, want = losses_by_step(out), losses_by_step(offline_runs["none"])
+    assert [got[s] for s in (3, 4)] == pytest.approx([want[s] for s in (3, 4)], abs=TOL)
 
 
 @pytest.mark.slow
