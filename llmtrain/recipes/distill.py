@@ -8,17 +8,23 @@ How the two forwards meet: the student's forward hands the final hidden states o
 the step (TokenLoss's hook on its output layer, so that FSDP holds that layer gathered); there, the teacher's
 forward runs on the same batch under no_grad with the same hook, and inside it, with both output layers
 gathered, llmtrain.losses.distill.chunked_kd takes chunk after chunk of both models' logits. The teacher's
-forward returns nothing differentiable (no FSDP backward hook of the teacher ever fires)."""
+forward returns nothing differentiable (no FSDP backward hook of the teacher ever fires).
+
+The teacher side is one small interface (TeacherSide): the model (Teacher) or its stored top-k log-probs
+(StoredTeacher, distill.teacher_logits: llmtrain.teacher_logits, written by python -m
+llmtrain.tools.distill_precompute), which StoredSource attaches to each micro-batch by its stream position."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal, Protocol
 
 import torch
 
-from llmtrain import distributed
+from llmtrain import data, distributed
+from llmtrain import teacher_logits as stored
 from llmtrain.config import Config, ConfigError, ModelConfig, ranged
 from llmtrain.losses import distill as kd
 from llmtrain.losses.token import TokenLoss, trained_tokens
@@ -26,6 +32,7 @@ from llmtrain.models import hf
 from llmtrain.models.build import BuiltModel, build_model
 from llmtrain.recipes.sft import Finetune
 from llmtrain.train.build import Run
+from llmtrain.train.source import Batch, BatchSource
 from llmtrain.train.step import Share
 from llmtrain.utils import DTYPES
 
@@ -42,8 +49,12 @@ teacher's distill.top_k ids and a bucket for the rest, or the whole vocabulary) 
 student's cross-entropy on the labels. Neither model's [tokens x vocab] logits exist: both are taken a chunk of
 tokens at a time (docs/distill.md). Teacher and student must share the tokenizer's vocabulary.
 
+Offline teacher: python -m llmtrain.tools.distill_precompute --config ... --out DIR writes the teacher's top-k
+log-probs of every trained token once; distill.teacher_logits=DIR then trains without loading the teacher.
+
 Writes to output_dir what recipes/finetune.py writes; metrics.jsonl adds kd_loss and ce_loss (per trained
-token); with eval.every_steps, val_loss (the student's cross-entropy), val_kd_loss and val_teacher_loss.
+token); with eval.every_steps, val_loss (the student's cross-entropy), val_kd_loss and val_teacher_loss
+(offline: val_loss and val_ppl only).
 """
 METRICS = ("kd_loss", "ce_loss")  # per trained token, beside the logged loss (their kd_weight mix)
 
@@ -67,6 +78,10 @@ class DistillSection:
     top_k: int = ranged("[0, inf)", default=0)
     """> 0: the teacher's k most likely ids per token, every other id lumped into one bucket (the divergence of
     the (k+1)-way distributions); 0: the whole vocabulary."""
+    teacher_logits: str | None = None
+    """An offline teacher: a directory written by python -m llmtrain.tools.distill_precompute (the teacher's
+    top-k log-probs of every trained token, at distill.temperature); the run trains from it and loads no
+    teacher. Its data, row order, tokenizer, top_k and temperature must be this run's (checked)."""
 
 
 @dataclass
@@ -77,7 +92,43 @@ class DistillConfig(Config):
 
 def check(cfg: DistillConfig) -> None:
     """Before any process group: the teacher directory, its vocabulary against the student's tokenizer,
-    distill.top_k against it, and the loss path."""
+    distill.top_k against it, and the loss path; or, with distill.teacher_logits, the stored teacher."""
+    if cfg.distill.teacher_logits is not None:
+        check_stored(cfg)
+    else:
+        check_teacher(cfg)
+
+
+def check_loss_impl(cfg: DistillConfig) -> None:
+    if cfg.train.loss_impl != "chunked":
+        raise ConfigError(f"train.loss_impl: recipes/distill.py computes its loss chunked (llmtrain.losses.distill)"
+                          f"; set train.loss_impl=chunked, not {cfg.train.loss_impl}")
+
+
+def check_top_k_stored(cfg: DistillConfig, what: str) -> None:
+    """An offline teacher stores the top-k bucket: top_k > 0, on map-style data (a stream has no global order)."""
+    if cfg.distill.top_k == 0:
+        raise ConfigError(f"distill.top_k: 0 (the whole vocabulary) cannot be {what}; an offline teacher stores "
+                          "the top-k log-probs: set distill.top_k, e.g. 64")
+    if cfg.data.streaming:
+        raise ConfigError(f"data.streaming: a stream has no global sample order, so an offline teacher cannot be "
+                          f"{what}; set data.streaming=false")
+
+
+def check_stored(cfg: DistillConfig) -> None:
+    """distill.teacher_logits: a complete, intact precompute of this run's rows, tokenizer, top_k and
+    temperature, covering its train.max_steps (the global batch at WORLD_SIZE ranks)."""
+    d = cfg.distill
+    check_loss_impl(cfg)
+    check_top_k_stored(cfg, "trained from stored log-probs")
+    tokenizer = hf.load_tokenizer(cfg.tokenizer.path or cfg.model.path, cfg.model.trust_remote_code)
+    global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * distributed.world_size_from_env()
+    stored.check(d.teacher_logits, stored.expected(cfg.data, cfg.train.seed, tokenizer, d.top_k, d.temperature),
+                 cfg.train.max_steps * global_batch)
+
+
+def check_teacher(cfg: DistillConfig) -> None:
+    """distill.teacher_path: a Hugging Face causal LM with the student's vocabulary."""
     d = cfg.distill
     if d.teacher_path is None:
         raise ConfigError("distill.teacher_path: not set; name the teacher's Hugging Face model directory")
@@ -95,9 +146,7 @@ def check(cfg: DistillConfig) -> None:
         hf.check_weights(teacher)
     except ConfigError as e:
         raise ConfigError(str(e).replace("model.path", "distill.teacher_path", 1)) from None
-    if cfg.train.loss_impl != "chunked":
-        raise ConfigError(f"train.loss_impl: recipes/distill.py computes its loss chunked (llmtrain.losses.distill)"
-                          f"; set train.loss_impl=chunked, not {cfg.train.loss_impl}")
+    check_loss_impl(cfg)
     student_tok = hf.load_tokenizer(cfg.tokenizer.path or cfg.model.path, cfg.model.trust_remote_code)
     teacher_tok = hf.load_tokenizer(d.teacher_path, cfg.model.trust_remote_code)
     check_vocab(student_tok, teacher_tok, d.teacher_path)
@@ -122,29 +171,73 @@ def check_vocab(student_tok, teacher_tok, teacher_path: str) -> None:
                               f"({teacher_path}) but {a!r} in the student's: distillation needs one vocabulary")
 
 
-class Teacher:
-    """The frozen teacher beside the student: `run(batch, on_hidden)` runs its forward (no_grad, its own
-    compute dtype) and calls on_hidden(final hidden states of the trained positions) inside it."""
+TeacherDist = Callable[[slice], kd.Dist]  # rows of the micro-batch's trained tokens -> the teacher's Dist of them
 
-    def __init__(self, run: Run, section: DistillSection):
+
+class TeacherSide(Protocol):
+    """What KDObjective asks of the teacher: `dists(batch, use)` calls use(dist), dist(rows) -> the teacher's
+    Dist (llmtrain.losses.distill) of those rows of the batch's trained tokens (in the student's row-major
+    order); `evaluates`: whether it also gives the validation rows' KD and its own loss."""
+    evaluates: bool
+
+    def dists(self, batch: dict, use: Callable[[TeacherDist], None]) -> None: ...
+
+
+class Teacher:
+    """The teacher model: `dists` runs its forward (no_grad, its own compute dtype) and calls use() inside it,
+    where its final hidden states of the trained positions give each chunk's logits on demand."""
+    evaluates = True
+
+    def __init__(self, built: BuiltModel, section: DistillSection, vocab: int, device: torch.device,
+                 chunk_tokens: int):
+        self.built, self.device, self.vocab = built, device, vocab
+        self.temperature, self.top_k = section.temperature, section.top_k
+        self.token_loss = TokenLoss("chunked", built.model, device, chunk_tokens)  # collective
+
+    @staticmethod
+    def source(cfg: DistillConfig) -> tuple[ModelConfig, object]:
+        """distill.teacher_path as a model section, and its config."""
+        tokenizer = hf.load_tokenizer(cfg.distill.teacher_path, cfg.model.trust_remote_code)
+        source = ModelConfig(path=cfg.distill.teacher_path, attn_implementation=cfg.model.attn_implementation)
+        return source, hf.load_model_config(source, tokenizer)
+
+    @staticmethod
+    def dtype_name(cfg: DistillConfig) -> str:
+        d = cfg.distill
+        return cfg.parallel.mixed_precision if d.teacher_dtype == "match" else d.teacher_dtype
+
+    @classmethod
+    def beside(cls, run: Run, section: DistillSection) -> Teacher:
+        """Frozen next to the student, sharded on its mesh (the online teacher)."""
         cfg, env = run.cfg, run.env
-        tokenizer = hf.load_tokenizer(section.teacher_path, cfg.model.trust_remote_code)
-        source = ModelConfig(path=section.teacher_path, attn_implementation=cfg.model.attn_implementation)
-        config = hf.load_model_config(source, tokenizer)
-        dtype = DTYPES[cfg.parallel.mixed_precision if section.teacher_dtype == "match" else section.teacher_dtype]
-        self.built: BuiltModel = build_model(source, config, cfg.parallel, env, cfg.train.seed,
-                                             frozen_next_to=run.policy, frozen_dtype=dtype)
-        self.device = env.device
-        self.token_loss = TokenLoss("chunked", self.built.model, env.device, cfg.train.loss_chunk_tokens)  # collective
+        source, config = cls.source(cfg)
+        built = build_model(source, config, cfg.parallel, env, cfg.train.seed, frozen_next_to=run.policy,
+                            frozen_dtype=DTYPES[cls.dtype_name(cfg)])
+        return cls(built, section, len(run.tokenizer), env.device, cfg.train.loss_chunk_tokens)
+
+    @classmethod
+    def alone(cls, cfg: DistillConfig, env: distributed.DistEnv, vocab: int) -> Teacher:
+        """Without a student (the precompute): sharded by parallel.* itself, computing in its dtype."""
+        source, config = cls.source(cfg)
+        parallel = dataclasses.replace(cfg.parallel, mixed_precision=cls.dtype_name(cfg))
+        built = build_model(source, config, parallel, env, cfg.train.seed)
+        built.model.requires_grad_(False)
+        built.model.eval()
+        return cls(built, cfg.distill, vocab, env.device, cfg.train.loss_chunk_tokens)
 
     def autocast(self):
         plan = self.built.plan
         # Explicitly on or off: it runs inside the student's forward, whose autocast it must not inherit.
         return torch.autocast(self.device.type, dtype=plan.dtype, enabled=plan.autocast)
 
-    def run(self, batch: dict, on_hidden) -> None:
+    def dists(self, batch: dict, use: Callable[[TeacherDist], None]) -> None:
         def inside(hidden, _targets):
-            on_hidden(hidden)
+            def dist(rows):
+                with torch.no_grad(), self.autocast():
+                    logits = self.token_loss.head_logits(hidden[rows])
+                return kd.teacher_dist(logits, self.vocab, self.temperature, self.top_k)
+
+            use(dist)
             return hidden.new_zeros(())  # nothing differentiable leaves the teacher's forward
 
         with torch.no_grad(), self.autocast():
@@ -153,24 +246,69 @@ class Teacher:
     def describe(self, section: DistillSection) -> str:
         b = self.built
         return (f"distill: teacher {section.teacher_path} ({b.n_params / 1e6:.2f}M parameters, frozen, "
-                f"{b.plan.strategy.name}, computes in {str(b.plan.dtype).removeprefix('torch.')}) | loss "
-                f"{section.loss}" + (f" beta {section.jsd_beta:g}" if section.loss == "jsd" else "")
-                + f" | temperature {section.temperature:g} | kd_weight {section.kd_weight:g} | top_k "
-                f"{section.top_k or 'all'}")
+                f"{b.plan.strategy.name}, computes in {str(b.plan.dtype).removeprefix('torch.')}) | "
+                + describe_loss(section))
+
+
+def describe_loss(section: DistillSection) -> str:
+    return (f"loss {section.loss}" + (f" beta {section.jsd_beta:g}" if section.loss == "jsd" else "")
+            + f" | temperature {section.temperature:g} | kd_weight {section.kd_weight:g} | top_k "
+            f"{section.top_k or 'all'}")
+
+
+class StoredTeacher:
+    """The offline teacher: the top-k log-probs StoredSource attached to the micro-batch (no model, so no
+    validation KD: its rows were not precomputed)."""
+    evaluates = False
+
+    def dists(self, batch: dict, use: Callable[[TeacherDist], None]) -> None:
+        logps, ids = batch[stored.LOGPS], batch[stored.IDS]
+        use(lambda rows: kd.Dist(logps[rows], ids[rows]))
+
+
+class StoredSource:
+    """The data's micro-batches (a BatchSource), each with its samples' stored teacher values attached
+    (stored.LOGPS, stored.IDS), looked up by stream position: the step's first position (samples seen
+    before it) + SAMPLE_INDEX."""
+
+    def __init__(self, inner: BatchSource, store: stored.Store):
+        self.inner, self.store = inner, store
+
+    def next(self) -> Batch:
+        first = self.inner.position()["samples_seen"]
+        batch = self.inner.next()
+        micro = []
+        for b in batch.micro:
+            logps, ids = self.store.take(first + b[data.SAMPLE_INDEX])
+            if len(logps) != int(trained_tokens(b["labels"])):  # the same rows, or the store is not this data's
+                raise ConfigError(f"{stored.KEY}: the stored values of stream positions {first} + "
+                                  f"{b[data.SAMPLE_INDEX].tolist()} have {len(logps)} tokens, the batch trains "
+                                  f"{int(trained_tokens(b['labels']))}; precompute again with this config")
+            micro.append({**b, stored.LOGPS: logps, stored.IDS: ids})
+        return batch._replace(micro=micro)
+
+    def position(self) -> dict:
+        return self.inner.position()
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
 
 
 class KDObjective:
     """The step's objective: Σ over trained tokens of kd_weight·KD + (1 - kd_weight)·CE / the global count of
     trained tokens (an llmtrain.train.step.Objective)."""
 
-    def __init__(self, student: TokenLoss, teacher: Teacher, section: DistillSection, vocab: int):
-        self.student, self.teacher, self.top_k = student, teacher, section.top_k
+    def __init__(self, student: TokenLoss, teacher: TeacherSide, section: DistillSection, vocab: int):
+        self.student, self.teacher = student, teacher
         self.params = kd.KDParams(vocab, kd.jsd_beta(section.loss, section.jsd_beta), section.temperature,
                                   section.kd_weight)
 
     def sums(self, model: torch.nn.Module, batch: dict) -> kd.KDSums:
-        """One micro-batch's sums: the student's forward, and the teacher's inside it."""
-        student, teacher, out = self.student, self.teacher, []
+        """One micro-batch's sums: the student's forward, and the teacher's dists inside it."""
+        student, out = self.student, []
         grad = torch.is_grad_enabled()  # off in eval: the teacher's no_grad must not turn it on again
 
         def on_student(hidden, targets):
@@ -182,17 +320,12 @@ class KDObjective:
                 with torch.autocast(device, dtype=student_autocast[0], enabled=student_autocast[1]):
                     return student.head_logits(h)
 
-            def on_teacher(teacher_hidden):
-                def teacher_dist(rows):
-                    with torch.no_grad(), teacher.autocast():
-                        logits = teacher.token_loss.head_logits(teacher_hidden[rows])
-                    return kd.teacher_dist(logits, self.params.vocab, self.params.temperature, self.top_k)
-
+            def on_teacher(teacher_dist: TeacherDist):
                 with torch.set_grad_enabled(grad):
                     out.append(kd.chunked_kd(student_logits, hidden, targets, teacher_dist, self.params,
                                              student.chunk_tokens, leaves))
 
-            teacher.run(batch, on_teacher)
+            self.teacher.dists(batch, on_teacher)
             return out[0].loss
 
         student.on_trained_rows(model, batch, on_student)
@@ -214,7 +347,8 @@ class KDObjective:
     def evaluate(self, model: torch.nn.Module, batches, device: torch.device, autocast) -> dict[str, float]:
         """Over every rank's validation batches, per trained token: val_loss (the student's cross-entropy, as
         finetune's val_loss), val_kd_loss, val_teacher_loss (the teacher's cross-entropy: where val_loss heads).
-        Collective: every rank passes as many batches."""
+        Collective: every rank passes as many batches. The teacher model's (Teacher) only."""
+        teacher = self.teacher
         was_training = model.training
         model.eval()
         totals = torch.zeros(4, dtype=torch.float64, device=device)
@@ -222,8 +356,8 @@ class KDObjective:
             batch = {k: v.to(device) for k, v in batch.items()}
             with autocast():
                 sums = self.sums(model, batch)
-            with self.teacher.autocast():
-                teacher_ce = self.teacher.token_loss.loss_sum(self.teacher.built.model, batch)
+            with teacher.autocast():
+                teacher_ce = teacher.token_loss.loss_sum(teacher.built.model, batch)
             totals += torch.stack([sums.ce, sums.kd, teacher_ce, trained_tokens(batch["labels"])]).double()
         distributed.all_reduce(totals)
         model.train(was_training)
@@ -240,12 +374,27 @@ class Distill(Finetune):
     def check(self, cfg: DistillConfig) -> None:
         check(cfg)
 
+    def source(self, run: Run):
+        built, source = super().source(run)
+        d = run.cfg.distill
+        if d.teacher_logits is None:
+            return built, source
+        manifest = stored.read_manifest(d.teacher_logits)  # checked before the process group (check_stored)
+        return built, StoredSource(source, stored.Store(d.teacher_logits, manifest))
+
     def setup(self, run, built) -> None:
         super().setup(run, built)
         section = run.cfg.distill
-        self.teacher = Teacher(run, section)
-        run.metrics.info(self.teacher.describe(section))
+        if section.teacher_logits is None:
+            self.teacher = Teacher.beside(run, section)
+            run.metrics.info(self.teacher.describe(section))
+        else:
+            self.teacher = StoredTeacher()
+            run.metrics.info(f"distill: offline teacher {section.teacher_logits} (its top-{section.top_k} "
+                             f"log-probs; no teacher model, eval: val_loss only) | {describe_loss(section)}")
         self.objective = KDObjective(run.token_loss, self.teacher, section, len(run.tokenizer))
 
     def evaluate(self, at_step: int) -> dict:
+        if not self.teacher.evaluates:  # the stored teacher: the student's own validation loss (finetune's)
+            return super().evaluate(at_step)
         return self.objective.evaluate(self.run.model, self.val_batches(), self.run.env.device, self.run.autocast)
