@@ -1,6 +1,7 @@
 """recipes/grpo.py with grpo.engine=transformers end to end (tests/test_grpo_recipe.py's tiny Llama, prompts and
 length reward): one process and 2 ranks under ddp and fsdp2 train with finite rewards and losses and log the drift
-guard with the engine's log-probs within 1e-5 nats of the trainer's (fp32, no top-k / top-p); a 2-rank fsdp2 run
+guard with the engine's log-probs within 1e-5 nats of the trainer's (fp32, no top-k / top-p), ddp and fsdp2 (the same
+rows per rank) sampling the same completions and logging the same losses; a 2-rank fsdp2 run
 stopped at step 2 and resumed continues as the uninterrupted one (the engine is seeded by the rows' keys and gets
 the weights again at the resume); and an engine that skips the weight copy after its first push stops the run at
 the next push with one line naming the step, the engine, the rank and the parameter (exit 1, no checkpoint of that
@@ -76,6 +77,11 @@ def test_transformers_engine_trains_with_its_logprobs_matching_the_trainers(runs
             assert 0 <= r["sampling/logprob_diff/mean"] <= r["sampling/logprob_diff/max"] < 1e-5, (run, r["step"])
             for k in ("min", "mean", "max"):
                 assert r[f"sampling/importance_ratio/{k}"] == pytest.approx(1, abs=1e-5), (run, r["step"], k)
+    # Each rank's rows and their keys are the same under ddp and fsdp2: the same completions and losses.
+    ddp, fsdp2 = steps(tmp / "ddp"), steps(tmp / "fsdp2")
+    for step in ddp:
+        for k in ("loss", "reward", "completions/mean_length"):
+            assert ddp[step][k] == pytest.approx(fsdp2[step][k], abs=1e-5), (step, k)
 
 
 @pytest.mark.slow
