@@ -1,11 +1,11 @@
 """recipes/grpo.py with grpo.engine=transformers end to end (tests/test_grpo_recipe.py's tiny Llama, prompts and
-length reward): one process and 2 ranks under ddp and fsdp2 train with finite rewards and losses and log the drift
-guard with the engine's log-probs within 1e-5 nats of the trainer's (fp32, no top-k / top-p), ddp and fsdp2 (the same
-rows per rank) sampling the same completions and logging the same losses; a 2-rank fsdp2 run
-stopped at step 2 and resumed continues as the uninterrupted one (the engine is seeded by the rows' keys and gets
-the weights again at the resume); and an engine that skips the weight copy after its first push stops the run at
-the next push with one line naming the step, the engine, the rank and the parameter (exit 1, no checkpoint of that
-step, no export)."""
+length reward): one process (LoRA: the engine samples the merged weights) and 2 ranks under ddp and fsdp2 train
+with finite rewards and losses and log the drift guard with the engine's log-probs within 1e-5 nats of the
+trainer's (fp32, no top-k / top-p), ddp and fsdp2 (the same rows per rank) sampling the same completions and
+logging the same losses; a 2-rank fsdp2 run stopped at step 2 and resumed continues as the uninterrupted one (the
+engine is seeded by the rows' keys and gets the weights again at the resume); and an engine that skips the weight
+copy after its first push stops the run at the next push with one line naming the step, the engine, the rank and
+the parameter (exit 1, no checkpoint of that step, no export)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def runs(tmp_path_factory):
     config.write_text(CONFIG.replace("REWARD", f"{tmp / 'rewards.py'}:chars"))
     (tmp / "stale.py").write_text(STALE.replace("REPO", repr(str(GRPO.parents[1]))))
     specs = {
-        "one": (1, ENGINE, GRPO),
+        "one": (1, (*ENGINE, "lora.enabled=true", "lora.r=4", "lora.dropout=0"), GRPO),  # merged into the engine
         "ddp": (2, (*ENGINE, "parallel.strategy=ddp", *TWO), GRPO),
         "fsdp2": (2, (*ENGINE, "parallel.strategy=fsdp2", *TWO), GRPO),
         "cut": (2, (*ENGINE, "parallel.strategy=fsdp2", *TWO, "train.max_steps=2", "checkpoint.every_steps=2"), GRPO),
