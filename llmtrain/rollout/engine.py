@@ -31,11 +31,13 @@ from typing import Callable, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
+from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from llmtrain.config import ConfigError
+from llmtrain.models.hf import materialize
 from llmtrain.rollout.local import Sampling, generate, sample_seed
 from llmtrain.rollout.sync import fingerprint
 
@@ -101,8 +103,11 @@ class TransformersEngine:
         # batching's thread, which the training's autocast (thread-local) does not reach.
         config = copy.deepcopy(model_config)
         config._attn_implementation = "sdpa"  # the training's may be a kernel registered for training only
-        self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).eval()
-        self.model.requires_grad_(False)
+        with init_empty_weights(include_buffers=False):  # no random init: NaN until the first push
+            self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        materialize(self.model, device)
+        self.model.tie_weights()
+        self.model.eval().requires_grad_(False)
         self.eos, self.pad = sorted(set(eos_ids)), pad_id
 
     def update_weights(self, step: int, full: dict[str, torch.Tensor]) -> None:
