@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 from torch.distributed import ReduceOp
 
-from llmtrain import data, distributed, export, rewards
+from llmtrain import data, distributed, rewards
 from llmtrain.config import Config, ConfigError, ranged
 from llmtrain.data import IGNORE, SAMPLE_INDEX
 from llmtrain.losses import policy
@@ -32,7 +32,7 @@ from llmtrain.rollout import sync
 from llmtrain.rollout.engine import ENGINES, Engine, check_engine
 from llmtrain.rollout.local import Sampling
 from llmtrain.rollout.rows import micro_batches
-from llmtrain.train.build import Reference, Run, build_data, reference
+from llmtrain.train.build import Reference, Run, build_data, reference, sampling_weights
 from llmtrain.train.source import Batch
 from llmtrain.train.step import Share
 
@@ -283,8 +283,7 @@ class Rollouts:
         """The policy after this many updates into the engine; one that samples from its own copy gets the full
         weights (LoRA merged) and is checked against them (llmtrain.rollout.sync: one line, exit 1, if stale)."""
         run, step, copies = self.run, self.run.state.step, self.engine.copies_weights
-        full = export.hf_state(run.model, run.plan.strategy, run.env.device,
-                               run.cfg.lora if run.cfg.lora.enabled else None) if copies else {}
+        full = sampling_weights(run) if copies else {}
         self.engine.update_weights(step, full)
         if copies:
             trainer = sync.trainer_fingerprint(full, run.cfg.train.seed, step)
