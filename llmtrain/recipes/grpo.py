@@ -2,7 +2,7 @@
 
 What is this recipe's own (docs/grpo.md): the grpo: section; its batch source, Rollouts: the step's prompts
 (data.format: prompt; every rank gets all of them, the same for grpo.num_iterations steps) -> an engine's
-completions (llmtrain.rollout: the local engine, keyed by (seed, generation batch, prompt, generation index))
+completions (llmtrain.rollout, grpo.engine; local keys them by (seed, generation batch, prompt, generation index))
 -> rewards (llmtrain.rewards) -> group-relative advantages over every rank's rewards -> training rows; and its
 objective, the clipped surrogate (llmtrain.losses.policy), num_iterations times on the same completions. With
 num_iterations > 1 the generation batch is the source's checkpointed state, so a resume in its middle
@@ -28,10 +28,11 @@ from llmtrain.losses import policy
 from llmtrain.losses.token import next_token_targets
 from llmtrain.models import hf as model_lib
 from llmtrain.recipes.base import Recipe
-from llmtrain.rollout.engine import Engine, LocalEngine, check_engine
+from llmtrain.rollout import sync
+from llmtrain.rollout.engine import ENGINES, Engine, check_engine
 from llmtrain.rollout.local import Sampling
 from llmtrain.rollout.rows import micro_batches
-from llmtrain.train.build import Reference, Run, build_data, reference
+from llmtrain.train.build import Reference, Run, build_data, reference, sampling_weights
 from llmtrain.train.source import Batch
 from llmtrain.train.step import Share
 
@@ -94,9 +95,11 @@ class GRPOSection:
     reward_weights: list[float] = ranged("[0, inf)", default_factory=list)
     """One weight per reward function (empty: all 1); a penalty is a function returning negative rewards."""
     engine: Literal["local", "transformers", "vllm"] = "local"
-    """What samples the completions: local (llmtrain.rollout.local's keyed sampler in the training processes, the
-    same completions at any world size, strategy or resume); transformers (continuous batching) and vllm
-    (colocated, CUDA only) are not wired in yet and are refused at set-up."""
+    """What samples the completions: local (llmtrain.rollout.local's keyed sampler on the training model, the
+    same completions at any world size, strategy or resume); transformers (transformers' continuous batching on
+    each rank's own fp32 copy of the policy, its weights pushed and fingerprint-checked at every generation
+    batch; reproducible for the same rows, not at another world size or split); vllm (colocated, CUDA only) is
+    not wired in yet and is refused at set-up."""
     importance_correction: Literal["none", "tis", "mis"] = "none"
     """Correct for the engine's log-probs differing from the trainer's (TRL's vllm_importance_sampling_*): tis
     multiplies each token's policy-gradient loss by min(exp(trainer - engine log-prob), importance_cap)
@@ -235,7 +238,7 @@ class Rollouts:
     def generate(self, prompts: dict, index: int) -> tuple[list[dict], dict]:
         run, g, env = self.run, self.section, self.run.env
         G, rows = g.num_generations, self.mine()
-        self.engine.update_weights(run.state.step)
+        self.push()
         prompt_index = [int(prompts["prompt_index"][c // G]) for c in rows]
         out = self.engine.generate([prompts["prompt_ids"][c // G] for c in rows],
                                    [(run.cfg.train.seed, index, p, c % G) for p, c in zip(prompt_index, rows)],
@@ -275,6 +278,16 @@ class Rollouts:
                          **{k: sum((p[i] for p in parts), []) if parts[0][i] is not None else None
                             for i, k in enumerate(("completions", "truncated", "old", "ref", "engine"))}}
         return micro, metrics
+
+    def push(self) -> None:
+        """The policy after this many updates into the engine; one that samples from its own copy gets the full
+        weights (LoRA merged) and is checked against them (llmtrain.rollout.sync: one line, exit 1, if stale)."""
+        run, step, copies = self.run, self.run.state.step, self.engine.copies_weights
+        full = sampling_weights(run) if copies else {}
+        self.engine.update_weights(step, full)
+        if copies:
+            trainer = sync.trainer_fingerprint(full, run.cfg.train.seed, step)
+            sync.check(trainer, self.engine.fingerprint(list(trainer)), step, self.section.engine)
 
     def restore(self, prompts: dict) -> tuple[list[dict], dict]:
         """A resume in the middle of a generation batch: this rank's micro-batches from the checkpoint's."""
@@ -387,7 +400,7 @@ class GRPO(Recipe):
         # Every rank gets the step's whole batch of prompts (global batch / G) and samples its share of completions.
         steps = data.make_steps(built, run.global_batch // g.num_generations, 1, 1, 0, cfg.train.seed, run.env.device,
                                 run.state.data)
-        engine = LocalEngine(run.model, run.autocast, eos, pad, run.env.device)
+        engine = ENGINES[g.engine](run.model, run.model_config, run.autocast, eos, pad, run.env.device)
         return built, Rollouts(run, PromptSteps(steps, g.num_iterations, run.state.data), engine,
                                Sampling(g.max_completion_length, g.temperature, g.top_p, g.top_k), funcs, ref, pad)
 

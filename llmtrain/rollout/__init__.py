@@ -1,2 +1,3 @@
-"""Rollouts: completions sampled from the policy for on-policy recipes (GRPO). local: the keyed sampler inside
-the training processes, under any parallel strategy."""
+"""Rollouts: completions sampled from the policy for on-policy recipes (GRPO). engine: the seam and the engines
+(local: the keyed sampler inside the training processes, under any parallel strategy; transformers: continuous
+batching on each rank's own copy of the weights); sync: the weight-sync check of an engine's copy."""

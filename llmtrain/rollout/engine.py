@@ -2,25 +2,46 @@
 tokens; an on-policy recipe (GRPO) only asks it for completions, then scores them and trains on them.
 
     Engine.generate(prompt_ids, keys, sampling) -> Completions    each row keyed (llmtrain.rollout.local)
-    Engine.update_weights(step)                                    the policy after `step` updates
+    Engine.update_weights(step, full)                              the policy after `step` updates
+    Engine.fingerprint(names)                                      llmtrain.rollout.sync's, of its own copy
 
 LocalEngine is the keyed sampler (llmtrain.rollout.local) on the training model itself, in the training
 processes: every rank samples its own rows, under any parallel strategy (Strategy.unsharded). Its weights are
-the policy's, so update_weights has nothing to do; an engine in other processes (transformers' continuous
-batching, vLLM) would receive Strategy.full_weights there.
+the policy's (copies_weights False): the recipe gathers nothing for it and checks nothing. TransformersEngine
+holds its own copy of the policy (copies_weights True): the recipe gathers the full weights
+(export.hf_state: Strategy.full_weights, LoRA merged) after each update, update_weights copies them in, and
+llmtrain.rollout.sync checks the copy.
+
+TransformersEngine: transformers' continuous batching (its paged-attention generation path,
+PreTrainedModel.generate_batch) in the training processes. Each rank holds a whole Hugging Face model of the
+policy's architecture (fp32, attention sdpa) and samples its own rows with it; update_weights copies rank 0's
+full weights into every rank's copy, one broadcast per tensor. Continuous batching returns each sampled token's
+log-prob after temperature and top-k / top-p (return_logprobs): the drift guard's engine log-probs. Its sampler
+is torch.multinomial on one generator seeded per call from the rows' keys: the same rows and weights give the
+same completions, but not the local engine's keyed ones, and a row's completion depends on the other rows of
+its call (not reproducible across world sizes or micro-batch splits).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from typing import Callable, NamedTuple, Protocol
 
 import torch
+import torch.distributed as dist
+from accelerate import init_empty_weights
 from torch import nn
+from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from llmtrain.config import ConfigError
-from llmtrain.rollout.local import Sampling, generate
+from llmtrain.models.hf import materialize
+from llmtrain.rollout.local import Sampling, generate, sample_seed
+from llmtrain.rollout.sync import fingerprint
+
+PAGE = 64  # tokens per page of TransformersEngine's paged KV cache (sized to each call's rows)
 
 
 class Completions(NamedTuple):
@@ -33,18 +54,29 @@ class Completions(NamedTuple):
 
 
 class Engine(Protocol):
+    """Built as ENGINES[grpo.engine](model, model_config, autocast, eos_ids, pad_id, device): the training model,
+    its Hugging Face config, the training's autocast, the stop ids, the padding id, the rank's device."""
+    copies_weights: bool
+    """Whether the engine samples from its own copy of the policy (update_weights copies, sync checks it)."""
+
     def generate(self, prompt_ids: list[list[int]], keys: list[tuple[int, ...]], sampling: Sampling) -> Completions:
         """One completion per prompt row (repeat a prompt G times with G keys for a group). Collective when the
         engine runs in the training processes: every rank calls it with its own rows (at least one)."""
 
-    def update_weights(self, step: int) -> None:
-        """The policy's weights after `step` optimizer updates are what the next generate samples from."""
+    def update_weights(self, step: int, full: dict[str, torch.Tensor]) -> None:
+        """Collective. The policy's weights after `step` optimizer updates are what the next generate samples
+        from; `full`: those weights by Hugging Face names, LoRA merged, on rank 0 ({} on the other ranks and
+        when copies_weights is False: nothing was gathered)."""
+
+    def fingerprint(self, names: list[str]) -> dict[str, float]:
+        """llmtrain.rollout.sync.fingerprint of the weights it samples with (an engine that copies_weights)."""
 
 
 class LocalEngine:
     """The keyed sampler on the training model (llmtrain.rollout.local.generate)."""
+    copies_weights = False
 
-    def __init__(self, model: nn.Module, autocast: Callable[[], contextlib.AbstractContextManager],
+    def __init__(self, model: nn.Module, model_config, autocast: Callable[[], contextlib.AbstractContextManager],
                  eos_ids: list[int], pad_id: int, device: torch.device):
         self.model, self.autocast, self.eos, self.pad, self.device = model, autocast, eos_ids, pad_id, device
 
@@ -57,11 +89,66 @@ class LocalEngine:
         return Completions([r[:n] for r, n in zip(out.ids.tolist(), lengths)], out.truncated.tolist(),
                            [r[:n] for r, n in zip(out.logps.tolist(), lengths)], seconds)
 
-    def update_weights(self, step: int) -> None:
+    def update_weights(self, step: int, full: dict[str, torch.Tensor]) -> None:
         """Samples from the training model itself: its weights are always the policy's."""
 
 
-ENGINES = {"local": LocalEngine}  # grpo.engine's choices built so far (transformers and vllm: docs/grpo.md)
+class TransformersEngine:
+    """Continuous batching on a whole copy of the policy per rank (the module's docstring)."""
+    copies_weights = True
+
+    def __init__(self, model: nn.Module, model_config, autocast: Callable[[], contextlib.AbstractContextManager],
+                 eos_ids: list[int], pad_id: int, device: torch.device):
+        # Its own model from the policy's config: the weights arrive with update_weights; it runs in continuous
+        # batching's thread, which the training's autocast (thread-local) does not reach.
+        config = copy.deepcopy(model_config)
+        config._attn_implementation = "sdpa"  # the training's may be a kernel registered for training only
+        with init_empty_weights(include_buffers=False):  # no random init: NaN until the first push
+            self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        materialize(self.model, device)
+        self.model.tie_weights()
+        self.model.eval().requires_grad_(False)
+        self.eos, self.pad = sorted(set(eos_ids)), pad_id
+
+    def update_weights(self, step: int, full: dict[str, torch.Tensor]) -> None:
+        for name, tensor in self.model.state_dict().items():  # a tied weight twice: harmless
+            if full:
+                tensor.copy_(full[name])
+            dist.broadcast(tensor, src=0)
+
+    def fingerprint(self, names: list[str]) -> dict[str, float]:
+        return fingerprint(self.model.state_dict(), names)
+
+    def generate(self, prompt_ids, keys, sampling) -> Completions:
+        rows = len(prompt_ids)
+        # An explicit cache size: left to itself, continuous batching sizes it from the device's free memory (on
+        # a CPU, the host's: tens of seconds to allocate at each call).
+        pages = sum(-(-(len(p) + sampling.max_tokens) // PAGE) for p in prompt_ids)
+        batching = ContinuousBatchingConfig(return_logprobs=True, page_size=PAGE, num_blocks=pages + 1,
+                                            max_batch_tokens=sum(map(len, prompt_ids)) + rows, use_cuda_graph=False,
+                                            seed=sample_seed(*(k for key in keys for k in key)) % 2**31)
+        config = GenerationConfig(do_sample=True, max_new_tokens=sampling.max_tokens,
+                                  temperature=sampling.temperature, top_k=sampling.top_k or None,
+                                  top_p=sampling.top_p, eos_token_id=self.eos, pad_token_id=self.pad)
+        t0 = time.perf_counter()
+        results = self.model.generate_batch([list(p) for p in prompt_ids], generation_config=config,
+                                            continuous_batching_config=batching, progress_bar=False, warmup=False)
+        seconds = time.perf_counter() - t0
+        if len(results) != rows or any(r.error is not None for r in results.values()):
+            errors = [r.error for r in results.values() if r.error is not None]
+            raise RuntimeError(f"grpo.engine=transformers: continuous batching returned {len(results)} of {rows} "
+                               f"completions{f' ({errors[0]})' if errors else ''}")
+        tokens, logps, truncated = [], [], []
+        for result in results.values():  # in the order of the inputs
+            ids = list(result.generated_tokens)
+            n = next((i + 1 for i, t in enumerate(ids) if t in self.eos), len(ids))
+            tokens.append(ids[:n])
+            logps.append([float(x) for x in result.logprobs[:n]])
+            truncated.append(not ids[:n] or ids[n - 1] not in self.eos)
+        return Completions(tokens, truncated, logps, seconds)
+
+
+ENGINES = {"local": LocalEngine, "transformers": TransformersEngine}  # grpo.engine's choices built (vllm: docs)
 
 
 def check_engine(name: str, cuda: bool) -> None:

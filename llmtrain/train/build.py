@@ -172,6 +172,13 @@ def data_source(run: Run, built: data.Built) -> DataSource:
                                       env.rank, cfg.train.seed, env.device, run.state.data))
 
 
+def sampling_weights(run: Run) -> dict[str, torch.Tensor]:
+    """Collective: the policy as an engine with its own copy samples it (llmtrain.rollout.engine): by Hugging Face
+    names, LoRA adapters merged into the base, on rank 0's CPU ({} on the other ranks)."""
+    return export_lib.hf_state(run.model, run.plan.strategy, run.env.device,
+                               run.cfg.lora if run.cfg.lora.enabled else None)
+
+
 def export(run: Run, step_dir: str) -> list[Path]:
     """output_dir/hf[/step_dir]; with LoRA, as lora.export says, also output_dir/adapter[/step_dir]. A full disk
     waits up to checkpoint.export_wait_minutes for space (export_lib.written); if the export still cannot be
