@@ -115,13 +115,10 @@ def check(directory: str, want: Expected, samples: int) -> dict:
     if (manifest["vocab"], manifest["tokens"]) != (want.vocab, want.tokens):
         raise ConfigError(f"{KEY}: {directory} was computed with another tokenizer ({manifest['vocab']} tokens, "
                           f"table {manifest['tokens']}; this run's: {want.vocab}, {want.tokens}){AGAIN}")
-    if manifest["top_k"] != want.top_k:
-        raise ConfigError(f"distill.top_k: {want.top_k}, but {directory} stores the teacher's top "
-                          f"{manifest['top_k']}: set distill.top_k={manifest['top_k']} or precompute again")
-    if manifest["temperature"] != want.temperature:
-        raise ConfigError(f"distill.temperature: {want.temperature:g}, but {directory} was computed at "
-                          f"{manifest['temperature']:g} (the top-k bucket cannot be rescaled): set "
-                          f"distill.temperature={manifest['temperature']:g} or precompute again")
+    for key in ("top_k", "temperature"):  # neither can be changed afterwards: the top-k bucket holds one sum
+        if manifest[key] != getattr(want, key):
+            raise ConfigError(f"distill.{key}: {getattr(want, key):g}, but {directory} was computed with "
+                              f"{key} {manifest[key]:g}: set distill.{key}={manifest[key]:g} or precompute again")
     if manifest["samples"] < samples:
         raise ConfigError(f"{KEY}: {directory} holds {manifest['samples']} samples of the stream, this run trains "
                           f"on {samples} (train.max_steps x the global batch); precompute again with --samples "
