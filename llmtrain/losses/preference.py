@@ -23,9 +23,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from llmtrain.distributed import all_reduce
 from llmtrain.data.formats import IGNORE
-from llmtrain.losses.token import next_token_targets, token_logps  # noqa: F401  (token_logps: from full logits, here too)
+from llmtrain.losses.token import next_token_targets, token_logps, validation_sums  # noqa: F401  (token_logps: from full logits, here too)
 
 REFERENCE_FREE = {"simpo"}
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -97,17 +96,12 @@ def evaluate(model: torch.nn.Module, batches, pair_logps, device: torch.device, 
     """The training objective and METRICS over every rank's validation pairs, as global means whatever the
     world size: {"val_loss", "val_rewards/chosen", ...}. pair_logps(batch) -> (policy log-probs, lengths,
     reference log-probs or None) per row. Collective: every rank passes as many batches (eval_batches)."""
-    was_training = model.training
-    model.eval()
-    totals = torch.zeros(4 + len(METRICS), dtype=torch.float64, device=device)  # loss, nll, pairs, chosen tokens
-    for batch in batches:
-        batch = {k: v.to(device) for k, v in batch.items()}
+    def sums(batch: dict) -> torch.Tensor | None:
         logps, lengths, ref = pair_logps(batch)  # every rank runs the forwards, even on a filler batch
         if (batch["labels"] == IGNORE).all():  # eval_batches' filler for a rank out of pairs: no pair in it
-            continue
-        sums = preference_sums(logps, lengths, ref, loss, beta, label_smoothing, gamma)
-        totals += torch.cat([torch.stack([sums.loss, sums.nll]), pair_counts(batch["labels"]), sums.metrics]).double()
-    all_reduce(totals)
-    model.train(was_training)
+            return None
+        s = preference_sums(logps, lengths, ref, loss, beta, label_smoothing, gamma)
+        return torch.cat([torch.stack([s.loss, s.nll]), pair_counts(batch["labels"]), s.metrics])
+    totals = validation_sums(model, batches, device, 4 + len(METRICS), sums)  # loss, nll, pairs, chosen tokens
     val_loss = objective(PairSums(totals[0], totals[1], totals[4:]), totals[2:4], sft_weight)
     return {"val_loss": val_loss.item(), **{f"val_{k}": v for k, v in metrics(totals[4:], int(totals[2])).items()}}

@@ -370,17 +370,26 @@ class _ChunkedHeadLogps(torch.autograd.Function):
 
 
 @torch.no_grad()
+def validation_sums(model, batches, device: torch.device, width: int, sums) -> torch.Tensor:
+    """The sum over every rank's validation batches of sums(batch) (a [width] tensor, or None for a batch that
+    counts nothing), the model in eval mode meanwhile. Collective: every rank must pass the same number of
+    batches."""
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(width, dtype=torch.float64, device=device)
+    for batch in batches:
+        if (part := sums({k: v.to(device) for k, v in batch.items()})) is not None:
+            totals += part.double()
+    dist.all_reduce(totals)
+    model.train(was_training)
+    return totals
+
+
 def evaluate(model, batches, device: torch.device, autocast, loss: TokenLoss) -> tuple[float, int]:
     """Token-weighted loss over every rank's validation batches: (global mean loss, global tokens).
     Collective: every rank must pass the same number of batches."""
-    was_training = model.training
-    model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=device)
-    for batch in batches:
-        batch = {k: v.to(device) for k, v in batch.items()}
+    def sums(batch: dict) -> torch.Tensor:
         with autocast():
-            loss_sum = loss.loss_sum(model, batch)
-        totals += torch.stack([loss_sum.double(), trained_tokens(batch["labels"]).double()])
-    dist.all_reduce(totals)
-    model.train(was_training)
+            return torch.stack([loss.loss_sum(model, batch).double(), trained_tokens(batch["labels"]).double()])
+    totals = validation_sums(model, batches, device, 2, sums)
     return (totals[0] / totals[1].clamp(min=1)).item(), int(totals[1].item())

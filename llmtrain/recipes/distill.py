@@ -27,7 +27,7 @@ from llmtrain import data, distributed
 from llmtrain import teacher_logits as stored
 from llmtrain.config import Config, ConfigError, ModelConfig, ranged
 from llmtrain.losses import distill as kd
-from llmtrain.losses.token import TokenLoss, trained_tokens
+from llmtrain.losses.token import TokenLoss, trained_tokens, validation_sums
 from llmtrain.models import hf
 from llmtrain.models.build import BuiltModel, build_model
 from llmtrain.recipes.sft import Finetune
@@ -343,24 +343,19 @@ class KDObjective:
         loss, *parts = (v / n for v in metrics.tolist())
         return loss, dict(zip(METRICS, parts))
 
-    @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, batches, device: torch.device, autocast) -> dict[str, float]:
         """Over every rank's validation batches, per trained token: val_loss (the student's cross-entropy, as
         finetune's val_loss), val_kd_loss, val_teacher_loss (the teacher's cross-entropy: where val_loss heads).
         Collective: every rank passes as many batches. The teacher model's (Teacher) only."""
         teacher = self.teacher
-        was_training = model.training
-        model.eval()
-        totals = torch.zeros(4, dtype=torch.float64, device=device)
-        for batch in batches:
-            batch = {k: v.to(device) for k, v in batch.items()}
+
+        def sums(batch: dict) -> torch.Tensor:
             with autocast():
-                sums = self.sums(model, batch)
+                student = self.sums(model, batch)
             with teacher.autocast():
                 teacher_ce = teacher.token_loss.loss_sum(teacher.built.model, batch)
-            totals += torch.stack([sums.ce, sums.kd, teacher_ce, trained_tokens(batch["labels"])]).double()
-        distributed.all_reduce(totals)
-        model.train(was_training)
+            return torch.stack([student.ce, student.kd, teacher_ce, trained_tokens(batch["labels"])])
+        totals = validation_sums(model, batches, device, 4, sums)
         n = totals[3].clamp(min=1)
         return {"val_loss": (totals[0] / n).item(), "val_kd_loss": (totals[1] / n).item(),
                 "val_teacher_loss": (totals[2] / n).item()}
