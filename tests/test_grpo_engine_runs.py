@@ -14,7 +14,7 @@ import math
 import pytest
 
 from helpers.procs import finish_recipe, read_metrics, run_recipe, start_recipe
-from test_grpo_recipe import CONFIG, GRPO, REWARDS
+from helpers.grpo import GRPO, write_config
 
 ENGINE = ("grpo.engine=transformers", "train.max_steps=4")
 TWO = ("train.micro_batch_size=3",)
@@ -37,9 +37,7 @@ runpy.run_path(REPO + "/recipes/grpo.py", run_name="__main__")
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("grpo_engines")
-    (tmp / "rewards.py").write_text(REWARDS)
-    config = tmp / "grpo.yaml"
-    config.write_text(CONFIG.replace("REWARD", f"{tmp / 'rewards.py'}:chars"))
+    config = write_config(tmp)
     (tmp / "stale.py").write_text(STALE.replace("REPO", repr(str(GRPO.parents[1]))))
     specs = {
         "one": (1, (*ENGINE, "lora.enabled=true", "lora.r=4", "lora.dropout=0"), GRPO),  # merged into the engine

@@ -18,7 +18,7 @@ from llmtrain.config import ConfigError, load_config
 from llmtrain.losses import policy
 from llmtrain.losses.token import TokenLoss
 from llmtrain.recipes import grpo
-from test_loss import CONFIGS, HEADS, batch, loss_and_grads, tiny_head
+from helpers.heads import CONFIGS, HEADS, batch, loss_and_grads, tiny_head
 
 ROWS, WIDTH, MAX_LEN = 6, 7, 9
 EPS, EPS_HIGH = 0.2, 0.28

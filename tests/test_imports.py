@@ -77,3 +77,22 @@ def test_fsdp_private_attributes_only_in_parallelize():
              if FSDP_PRIVATE.search(line)]
     assert found == []
     assert FSDP_PRIVATE.search(allowed.read_text())  # the pattern finds what parallelize.py does use
+
+
+def imported(node: ast.AST) -> set[str]:
+    """The top-level module names an import statement names."""
+    if isinstance(node, ast.Import):
+        return {a.name.partition(".")[0] for a in node.names}
+    if isinstance(node, ast.ImportFrom) and not node.level:
+        return {node.module.partition(".")[0]}
+    return set()
+
+
+def test_test_modules_import_helpers_not_each_other():
+    """What tests share lives in tests/helpers; a test module importing another drags in its fixtures and its
+    module-level set-up."""
+    tests = PACKAGE.parent / "tests"
+    names = {p.stem for p in tests.glob("test_*.py")}
+    found = [f"{path.relative_to(tests)}:{node.lineno}" for path in sorted(tests.rglob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text())) if imported(node) & names]
+    assert found == []

@@ -15,6 +15,7 @@ from torch import nn
 from transformers import LlamaConfig
 
 from helpers import REPO, TINY
+from helpers.grpo import write_config
 from helpers.procs import finish_recipe, losses_by_step, read_metrics, start_recipe
 from llmtrain.config import LoraConfig, ModelConfig
 from llmtrain.data import SAMPLE_INDEX, step_batches
@@ -91,18 +92,6 @@ def test_every_rank_numbers_a_steps_samples_alike():
 LORA = ("lora.enabled=true", "lora.r=4", "lora.alpha=8", "lora.dropout=0.3", "train.lr=1e-2")
 FINETUNE, DPO, GRPO = (REPO / "recipes" / f"{n}.py" for n in ("finetune", "dpo", "grpo"))
 PAIRS = REPO / "data" / "demo" / "preference.jsonl"
-GRPO_CONFIG = """\
-model:
-  config: {hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4,
-           num_key_value_heads: 2, max_position_embeddings: 64, tie_word_embeddings: true}
-tokenizer: {path: assets/tokenizer}
-data: {path: data/demo/prompts.jsonl, format: prompt, seq_len: 32}
-parallel: {strategy: none}
-train: {max_steps: 4, micro_batch_size: 6, grad_accum_steps: 2, lr: 1.0e-2, warmup_steps: 1, seed: 7,
-        lr_schedule: constant}
-grpo: {num_generations: 4, max_completion_length: 12, beta: 0.04, num_iterations: 2, reward_funcs: [REWARD]}
-log: {every_steps: 1, progress: false}
-"""
 
 
 def run_all(root: Path, first: dict, then: dict, config: Path = TINY) -> dict[str, Path]:
@@ -166,16 +155,14 @@ def test_dpo_lora_with_dropout_same_losses_on_any_split_and_resumes_exactly(tmp_
 
 @pytest.mark.slow
 def test_grpo_lora_with_dropout_same_losses_on_any_split_and_resumes_exactly(tmp_path):
-    (tmp_path / "rewards.py").write_text("def chars(prompts, completions, completion_ids, **kw):\n"
-                                         "    return [len(c.strip()) / 10 for c in completions]\n")
-    config = tmp_path / "grpo.yaml"
-    config.write_text(GRPO_CONFIG.replace("REWARD", f"{tmp_path / 'rewards.py'}:chars"))
+    config = write_config(tmp_path)
+    steps = ("train.max_steps=4", "log.completions_every_steps=0")
     runs = run_all(tmp_path, {
-        "one": (1, (*LORA, "checkpoint.every_steps=3"), GRPO),  # step 3: in the middle of a generation batch
-        "two": (2, (*LORA, "parallel.strategy=ddp", "train.micro_batch_size=3"), GRPO),  # a group on both ranks
+        "one": (1, (*LORA, *steps, "checkpoint.every_steps=3"), GRPO),  # step 3: in the middle of a generation batch
+        "two": (2, (*LORA, *steps, "parallel.strategy=ddp", "train.micro_batch_size=3"), GRPO),  # a group on both ranks
     }, {
-        "same": (1, LORA, GRPO, ("one", 3)),
-        "other": (2, (*LORA, "parallel.strategy=fsdp2", "train.micro_batch_size=2", "train.grad_accum_steps=3"),
+        "same": (1, (*LORA, *steps), GRPO, ("one", 3)),
+        "other": (2, (*LORA, *steps, "parallel.strategy=fsdp2", "train.micro_batch_size=2", "train.grad_accum_steps=3"),
                   GRPO, ("one", 3)),
     }, config=config)
     whole = {r["step"]: r for r in read_metrics(runs["one"])}
