@@ -22,6 +22,7 @@ measures and against which target):
   dpo            recipes/dpo.py vs TRL's DPOTrainer
   grpo           recipes/grpo.py vs TRL's GRPOTrainer
   dpo_reference  DPO's precomputed reference vs the live one, peak memory
+  distill        recipes/distill.py vs full-logits KD (TRL's loss) at 131k ids: peak memory, step time; offline teacher
   memory         training state and loading memory per rank, ddp / fsdp / fsdp2
   data           llmtrain.data.build's tokens/s vs what the demo consumes
   checkpoint     DCP save / load and the HF export vs `dd`
@@ -51,7 +52,8 @@ from common import REPO, BenchError
 
 from benchmarks.base import BENCH, Ctx, table
 
-NAMES = ["overhead", "loss", "trainer", "trl", "dpo", "grpo", "dpo_reference", "memory", "data", "checkpoint"]
+NAMES = ["overhead", "loss", "trainer", "trl", "dpo", "grpo", "dpo_reference", "distill", "memory", "data",
+         "checkpoint"]
 
 
 # -- report ----------------------------------------------------------------------------------------

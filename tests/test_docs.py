@@ -333,7 +333,7 @@ def test_lists_of_configs_and_benchmarks_are_whole():
     --only list names each (issue 32 §13)."""
     table = set(re.findall(r"^\| `(configs/[^`]+\.yaml)` \|", text(REPO / "docs" / "models.md"), re.MULTILINE))
     assert table == {rel(p) for p in (REPO / "configs").glob("*.yaml")}
-    names = re.search(r"^NAMES = \[(.+)\]$", text(REPO / "bench" / "run.py"), re.MULTILINE).group(1)
+    names = re.search(r"^NAMES = \[(.+?)\]$", text(REPO / "bench" / "run.py"), re.MULTILINE | re.DOTALL).group(1)
     names = re.findall(r'"(\w+)"', names)
     bench = " ".join(text(REPO / "bench" / "README.md").split())
     count = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
