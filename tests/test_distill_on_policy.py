@@ -152,7 +152,6 @@ def test_on_policy_losses_and_flags_match_across_ranks_strategies_and_accumulati
                 assert ("completions/mean_length" in got[s]) == bool(got[s]["on_policy"]), (name, s)
                 for k in keys:
                     assert got[s][k] == pytest.approx(want[s][k], abs=TOL), (name, s, k)
-    assert steps(runs["none"])[4]["loss"] < steps(runs["none"])[1]["loss"]
 
 
 @pytest.mark.slow
