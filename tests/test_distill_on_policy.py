@@ -30,8 +30,11 @@ from llmtrain.rollout.local import Sampling, generate
 TOL = 2e-5
 INSTRUCT = REPO / "data" / "demo" / "instruct.jsonl"
 SEQ_LEN, NEW, SAMPLING_T = 48, 16, 0.9  # 48 + 16 positions: the tiny models' max_position_embeddings
+# The random student rarely samples the tokenizer's EOS; 212, one of its likeliest tokens, as a second stop id of
+# its config ends about half its completions early, so that rows and micro-batches differ in length.
 ROWS = (f"data.path={INSTRUCT}", "data.format=instruction", f"data.seq_len={SEQ_LEN}",
-        f"distill.max_new_tokens={NEW}", f"distill.sampling_temperature={SAMPLING_T}")
+        f"distill.max_new_tokens={NEW}", f"distill.sampling_temperature={SAMPLING_T}",
+        "model.config.eos_token_id=[1,212]")
 FSDP2_ACCUM = ("parallel.strategy=fsdp2", "train.micro_batch_size=1", "train.grad_accum_steps=2")
 RUNS = {  # name: (ranks, on_policy_fraction, overrides); global batch 4 rows in each, train.seed 7
     "zero": (1, 0, ("parallel.strategy=none",)),
@@ -97,8 +100,10 @@ def test_on_policy_step_one_is_the_students_samples_scored_by_hand(runs, base):
 
     tokenizer = load_tokenizer(str(REPO / "assets" / "tokenizer"), False)
     batch = step_one(tokenizer)
-    prompts = [ids[:labels.ne(data.IGNORE).nonzero()[0, 0]].tolist()
-               for ids, labels in zip(batch["input_ids"], batch["labels"])]
+    trained = [labels.ne(data.IGNORE).nonzero().flatten().tolist() for labels in batch["labels"]]
+    # A row that trains nothing (an instruction longer than data.seq_len) is all prompt: one of step 1's.
+    assert sum(not t for t in trained) == 1, trained
+    prompts = [ids[:t[0] if t else len(ids)].tolist() for ids, t in zip(batch["input_ids"], trained)]
     student = seeded_student(runs["none"] / "hf")
     out = generate(student, prompts, [(7, 0, i) for i in range(4)], Sampling(NEW, SAMPLING_T),
                    stop_ids(student.config.eos_token_id, tokenizer), tokenizer.pad_token_id, torch.device("cpu"))
@@ -139,6 +144,8 @@ def test_on_policy_losses_and_flags_match_across_ranks_strategies_and_accumulati
         flags = [want[s]["on_policy"] for s in (1, 2, 3, 4)]
         assert flags == [int(on_policy(7, s, fraction)) for s in range(4)], (want_name, flags)
         assert flags == ([1] * 4 if fraction == 1 else HALF_FLAGS)
+        lengths = [want[s]["completions/min_length"] for s in want if want[s]["on_policy"]]
+        assert min(lengths) < NEW, lengths  # some completions stopped at a stop id
         for s, record in want.items():  # an on-policy step trains its completions' tokens
             if record["on_policy"]:
                 assert record["trained_tokens"] == pytest.approx(4 * record["completions/mean_length"])
@@ -152,6 +159,7 @@ def test_on_policy_losses_and_flags_match_across_ranks_strategies_and_accumulati
                 assert ("completions/mean_length" in got[s]) == bool(got[s]["on_policy"]), (name, s)
                 for k in keys:
                     assert got[s][k] == pytest.approx(want[s][k], abs=TOL), (name, s, k)
+                assert got[s]["kd_loss"] == pytest.approx(want[s]["kd_loss"], rel=1e-4), (name, s)  # KD ~ 3e-3
 
 
 @pytest.mark.slow

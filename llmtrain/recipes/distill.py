@@ -41,7 +41,7 @@ from llmtrain.rollout.engine import Engine, LocalEngine, completion_metrics
 from llmtrain.rollout.local import Sampling, sample_seed
 from llmtrain.rollout.rows import micro_batches
 from llmtrain.train.build import Run
-from llmtrain.train.source import Batch, BatchSource
+from llmtrain.train.source import Batch, BatchSource, Wrapping
 from llmtrain.train.step import Share
 from llmtrain.utils import DTYPES
 
@@ -333,13 +333,14 @@ class StoredTeacher:
         use(lambda rows: kd.Dist(logps[rows], ids[rows]))
 
 
-class StoredSource:
+class StoredSource(Wrapping):
     """The data's micro-batches (a BatchSource), each with its samples' stored teacher values attached
     (stored.LOGPS, stored.IDS), looked up by stream position: the step's first position (samples seen
     before it) + SAMPLE_INDEX."""
 
     def __init__(self, inner: BatchSource, store: stored.Store):
-        self.inner, self.store = inner, store
+        super().__init__(inner)
+        self.store = store
 
     def next(self) -> Batch:
         first = self.inner.position()["samples_seen"]
@@ -353,15 +354,6 @@ class StoredSource:
                                   f"{int(trained_tokens(b['labels']))}; precompute again with this config")
             micro.append({**b, stored.LOGPS: logps, stored.IDS: ids})
         return batch._replace(micro=micro)
-
-    def position(self) -> dict:
-        return self.inner.position()
-
-    def state_dict(self) -> dict:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.inner.load_state_dict(state)
 
 
 def on_policy(seed: int, step: int, fraction: float) -> bool:
@@ -382,7 +374,7 @@ def prompts_of(micro: list[dict]) -> list[list[int]]:
     return out
 
 
-class OnPolicySource:
+class OnPolicySource(Wrapping):
     """On-policy distillation's batch source (distill.on_policy_fraction > 0): the data's micro-batches (a
     BatchSource) as they are on an off-policy step; on an on-policy step (on_policy()), their rows' prompts
     completed by the student (an Engine; the local one samples under any strategy, llmtrain.rollout.local),
@@ -393,7 +385,8 @@ class OnPolicySource:
     run samples the same completions from the same weights."""
 
     def __init__(self, inner: BatchSource, run: Run, engine: Engine, pad: int):
-        self.inner, self.run, self.engine, self.pad = inner, run, engine, pad
+        super().__init__(inner)
+        self.run, self.engine, self.pad = run, engine, pad
         d = run.cfg.distill
         self.fraction, self.sampling = d.on_policy_fraction, Sampling(d.max_new_tokens, d.sampling_temperature)
 
@@ -412,15 +405,6 @@ class OnPolicySource:
             rows[data.SAMPLE_INDEX] = b[data.SAMPLE_INDEX]  # keys its dropout masks, as the data's rows
         metrics = {**batch.metrics, "on_policy": 1, **completion_metrics(out, run.env.device)}
         return Batch(micro, metrics, batch.work_s + time.perf_counter() - t0)
-
-    def position(self) -> dict:
-        return self.inner.position()
-
-    def state_dict(self) -> dict:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.inner.load_state_dict(state)
 
 
 class KDObjective:
