@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import REPO, TINY
+from helpers.distill import DISTILL, distill_args, reference_kd, seeded_student
 from helpers.procs import (finish_recipe, launch, losses_by_step, read_metrics, run_recipe, run_side_by_side,
                            start_recipe)
 from llmtrain import data
@@ -27,18 +28,8 @@ from llmtrain.config import DataConfig
 from llmtrain.models.hf import load_tokenizer
 from llmtrain.resume import data_fingerprint
 
-DISTILL = REPO / "recipes" / "distill.py"
 VAL = REPO / "data" / "demo" / "val.jsonl"
 TOL = 2e-5
-# initializer_range 0.5: a student far from the (nearly uniform, 4-step) teacher, so that the KD term is O(1)
-STUDENT = ("model.config.hidden_size=16", "model.config.num_hidden_layers=1", "model.config.initializer_range=0.5")
-KD = ("distill.loss=jsd", "distill.jsd_beta=0.3", "distill.top_k=8", "distill.kd_weight=0.7",
-      "distill.temperature=1.5")
-
-
-def distill_args(teacher: Path, *extra: str) -> list[str]:
-    # Unpacked rows: transformers' own forward (the step-1 check) would let packed documents see each other.
-    return [f"distill.teacher_path={teacher}", "data.packing=false", *STUDENT, *KD, *extra]
 
 
 @pytest.fixture(scope="session")
@@ -61,30 +52,16 @@ def distill_runs(tmp_path_factory, base) -> dict[str, Path]:
     return {name: root / name for name in runs}
 
 
-def reference_kd(student_logits, teacher_logits, vocab, beta, temperature, top_k) -> torch.Tensor:
-    """Per token, from whole logits, as TRL's generalized_jsd_loss writes it (F.kl_div), with the top-k bucket."""
-    s = F.log_softmax(student_logits[:, :vocab] / temperature, -1)
-    t = F.log_softmax(teacher_logits[:, :vocab] / temperature, -1)
-    ids = t.topk(top_k, -1).indices
-    inside = torch.zeros_like(t, dtype=torch.bool).scatter(1, ids, True)
-    s, t = ([torch.cat([x.gather(1, ids), torch.log((x.exp() * ~inside).sum(-1, keepdim=True))], 1) for x in (s, t)])
-    m = torch.logsumexp(torch.stack([s + torch.log(torch.tensor(1 - beta)), t + torch.log(torch.tensor(beta))]), 0)
-    return (beta * F.kl_div(m, t, reduction="none", log_target=True)
-            + (1 - beta) * F.kl_div(m, s, reduction="none", log_target=True)).sum(-1)
-
-
 @pytest.mark.slow
 def test_distill_step_one_equals_the_formulas(distill_runs, base):
     """The student's seeded init (hf._random_init: seed 7, its exported config) and the teacher on step 1's
     batch in transformers: the logged loss, kd_loss and ce_loss."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     tokenizer = load_tokenizer(str(REPO / "assets" / "tokenizer"), False)
     built = data.build(DataConfig(path=str(VAL), seq_len=64, packing=False), tokenizer, seed=7)
     (batch,) = next(data.make_steps(built, 4, 1, 1, 0, 7, torch.device("cpu"), {}))
-    torch.manual_seed(7)
-    student = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(distill_runs["none"] / "hf"),
-                                               dtype=torch.float32)
+    student = seeded_student(distill_runs["none"] / "hf")
     teacher = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     targets = batch["labels"][:, 1:]
     keep = targets != -100

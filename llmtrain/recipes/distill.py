@@ -12,11 +12,17 @@ forward returns nothing differentiable (no FSDP backward hook of the teacher eve
 
 The teacher side is one small interface (TeacherSide): the model (Teacher) or its stored top-k log-probs
 (StoredTeacher, distill.teacher_logits: llmtrain.teacher_logits, written by python -m
-llmtrain.tools.distill_precompute), which StoredSource attaches to each micro-batch by its stream position."""
+llmtrain.tools.distill_precompute), which StoredSource attaches to each micro-batch by its stream position.
+
+On-policy distillation (GKD, distill.on_policy_fraction) is a batch source too, OnPolicySource: on the steps
+on_policy() picks, the student completes each data row's prompt (llmtrain.rollout's local engine, keyed per
+sample) and the same objective trains on those rows."""
 
 from __future__ import annotations
 
 import dataclasses
+import random
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal, Protocol
@@ -31,8 +37,11 @@ from llmtrain.losses.token import TokenLoss, trained_tokens, validation_sums
 from llmtrain.models import hf
 from llmtrain.models.build import BuiltModel, build_model
 from llmtrain.recipes.sft import Finetune
+from llmtrain.rollout.engine import Engine, LocalEngine, completion_metrics
+from llmtrain.rollout.local import Sampling, sample_seed
+from llmtrain.rollout.rows import micro_batches
 from llmtrain.train.build import Run
-from llmtrain.train.source import Batch, BatchSource
+from llmtrain.train.source import Batch, BatchSource, Wrapping
 from llmtrain.train.step import Share
 from llmtrain.utils import DTYPES
 
@@ -52,9 +61,15 @@ tokens at a time (docs/distill.md). Teacher and student must share the tokenizer
 Offline teacher: python -m llmtrain.tools.distill_precompute --config ... --out DIR writes the teacher's top-k
 log-probs of every trained token once; distill.teacher_logits=DIR then trains without loading the teacher.
 
+On-policy (GKD): distill.on_policy_fraction of the steps, the student samples a completion (at most
+distill.max_new_tokens, at distill.sampling_temperature) for each row's prompt (the row up to its first trained
+token: data.format instruction or chat, unpacked) and the loss is taken on those completions' tokens.
+
 Writes to output_dir what recipes/finetune.py writes; metrics.jsonl adds kd_loss and ce_loss (per trained
-token); with eval.every_steps, val_loss (the student's cross-entropy), val_kd_loss and val_teacher_loss
-(offline: val_loss and val_ppl only).
+token); with distill.on_policy_fraction > 0, on_policy (1 or 0) at every step and, on on-policy steps, TRL's
+completions/mean_length, /min_length, /max_length, /clipped_ratio, and generation_s, generated_tokens_per_s;
+with eval.every_steps, val_loss (the student's cross-entropy), val_kd_loss and val_teacher_loss (offline:
+val_loss and val_ppl only).
 """
 METRICS = ("kd_loss", "ce_loss")  # per trained token, beside the logged loss (their kd_weight mix)
 
@@ -82,6 +97,17 @@ class DistillSection:
     """An offline teacher: a directory written by python -m llmtrain.tools.distill_precompute (the teacher's
     top-k log-probs of every trained token, at distill.temperature); the run trains from it and loads no
     teacher. Its data, row order, tokenizer, top_k and temperature must be this run's (checked)."""
+    on_policy_fraction: float = ranged("[0, 1]", default=0.0)
+    """On-policy distillation (GKD's lambda, TRL's lmbda): the share of steps on which the student samples a
+    completion for each row's prompt (the row up to its first trained token) and learns the teacher's
+    distributions on its own completion instead of the data's. Decided per step from (train.seed, step) alone:
+    0 never, 1 every step. Needs the teacher model (not distill.teacher_logits) and rows with a prompt
+    (data.format instruction or chat, data.train_on_prompt=false, data.packing=false)."""
+    max_new_tokens: int = ranged("[1, inf)", default=128)
+    """On-policy steps: tokens the student samples per completion at most (TRL's max_new_tokens)."""
+    sampling_temperature: float = ranged("(0, inf)", default=1.0)
+    """On-policy steps: the temperature the student samples at (TRL's GKDConfig.temperature, default 0.9 there);
+    distill.temperature stays the KD term's."""
 
 
 @dataclass
@@ -91,12 +117,50 @@ class DistillConfig(Config):
 
 
 def check(cfg: DistillConfig) -> None:
-    """Before any process group: the teacher directory, its vocabulary against the student's tokenizer,
-    distill.top_k against it, and the loss path; or, with distill.teacher_logits, the stored teacher."""
+    """Before any process group: what on-policy steps need; the teacher directory, its vocabulary against the
+    student's tokenizer, distill.top_k against it, and the loss path; or, with distill.teacher_logits, the stored
+    teacher."""
+    check_on_policy(cfg)
     if cfg.distill.teacher_logits is not None:
         check_stored(cfg)
     else:
         check_teacher(cfg)
+
+
+def check_on_policy(cfg: DistillConfig) -> None:
+    """distill.on_policy_fraction > 0: a teacher model (an offline store has no log-probs for tokens the student
+    samples) and rows that are one example each with a prompt before its first trained token (text rows and
+    data.train_on_prompt train from the second token on: there is no prompt to complete)."""
+    d, section = cfg.distill, cfg.data
+    if d.on_policy_fraction == 0:
+        return
+    why = f"distill.on_policy_fraction={d.on_policy_fraction:g} samples completions for the rows' prompts"
+    if d.teacher_logits is not None:
+        raise ConfigError(f"distill.teacher_logits: an offline teacher has no log-probs for the tokens the student "
+                          f"samples ({why}); unset it to load the teacher (distill.teacher_path), or set "
+                          "distill.on_policy_fraction=0")
+    if "text" in data.formats_used(section):
+        raise ConfigError(f"data.format: text rows have no prompt, every token but the first is trained ({why}); "
+                          "use data.format=instruction or chat, or set distill.on_policy_fraction=0")
+    if section.train_on_prompt:
+        raise ConfigError(f"data.train_on_prompt: rows that train their prompt have none to complete ({why}); set "
+                          "data.train_on_prompt=false")
+    if section.packing:
+        raise ConfigError(f"data.packing: a packed row holds several examples, one prompt each ({why}); set "
+                          "data.packing=false")
+
+
+def check_completion_room(section: DistillSection, seq_len: int, configs: dict[str, object]) -> None:
+    """On-policy rows (a prompt of up to data.seq_len tokens, then up to distill.max_new_tokens sampled ones)
+    within each model's max_position_embeddings (configs: {whose: its config})."""
+    longest = seq_len + section.max_new_tokens
+    for whose, config in configs.items():
+        limit = getattr(config, "max_position_embeddings", None)
+        if limit is not None and longest > limit:
+            raise ConfigError(f"distill.max_new_tokens: data.seq_len {seq_len} + {section.max_new_tokens} sampled "
+                              f"tokens is longer than the {whose} max_position_embeddings={limit} (an on-policy row "
+                              "is a prompt of up to data.seq_len tokens and its completion); lower "
+                              "distill.max_new_tokens or data.seq_len")
 
 
 def check_loss_impl(cfg: DistillConfig) -> None:
@@ -155,6 +219,9 @@ def check_teacher(cfg: DistillConfig) -> None:
                           "smaller k, or 0 for the whole vocabulary")
     teacher_config = hf.load_model_config(ModelConfig(path=d.teacher_path), teacher_tok)
     hf.check_seq_len(teacher_config, cfg.data.seq_len)
+    if d.on_policy_fraction > 0:
+        check_completion_room(d, cfg.data.seq_len, {"student's": hf.load_model_config(cfg.model, student_tok),
+                                                    "teacher's": teacher_config})
 
 
 def check_vocab(student_tok, teacher_tok, teacher_path: str) -> None:
@@ -266,13 +333,14 @@ class StoredTeacher:
         use(lambda rows: kd.Dist(logps[rows], ids[rows]))
 
 
-class StoredSource:
+class StoredSource(Wrapping):
     """The data's micro-batches (a BatchSource), each with its samples' stored teacher values attached
     (stored.LOGPS, stored.IDS), looked up by stream position: the step's first position (samples seen
     before it) + SAMPLE_INDEX."""
 
     def __init__(self, inner: BatchSource, store: stored.Store):
-        self.inner, self.store = inner, store
+        super().__init__(inner)
+        self.store = store
 
     def next(self) -> Batch:
         first = self.inner.position()["samples_seen"]
@@ -287,14 +355,56 @@ class StoredSource:
             micro.append({**b, stored.LOGPS: logps, stored.IDS: ids})
         return batch._replace(micro=micro)
 
-    def position(self) -> dict:
-        return self.inner.position()
 
-    def state_dict(self) -> dict:
-        return self.inner.state_dict()
+def on_policy(seed: int, step: int, fraction: float) -> bool:
+    """Whether the step after `step` updates samples its rows' completions: a uniform drawn from (seed, step)
+    alone below `fraction` (0 never, 1 always), so every rank agrees without a collective and a resume at any
+    step, onto any world size, decides again what the uninterrupted run decided."""
+    return random.Random(sample_seed(seed, step)).random() < fraction
 
-    def load_state_dict(self, state: dict) -> None:
-        self.inner.load_state_dict(state)
+
+def prompts_of(micro: list[dict]) -> list[list[int]]:
+    """Each row of the micro-batches, in order, up to its first trained token (the whole row when it trains
+    none: an example whose prompt data.seq_len cut)."""
+    out = []
+    for b in micro:
+        trained = b["labels"] != data.IGNORE
+        first = torch.where(trained.any(1), trained.int().argmax(1), trained.shape[1])
+        out += [row[:n].tolist() for row, n in zip(b["input_ids"], first.tolist())]
+    return out
+
+
+class OnPolicySource(Wrapping):
+    """On-policy distillation's batch source (distill.on_policy_fraction > 0): the data's micro-batches (a
+    BatchSource) as they are on an off-policy step; on an on-policy step (on_policy()), their rows' prompts
+    completed by the student (an Engine; the local one samples under any strategy, llmtrain.rollout.local),
+    each keyed (train.seed, step, its sample's index in the step's global batch) so that a completion depends
+    on neither the world size nor the accumulation split, and made into training rows (prompt + completion,
+    the completion's tokens trained, its first EOS included: llmtrain.rollout.rows) in the same micro-batches.
+    The sampling is the step's work (Batch.work_s); nothing is kept beyond the data's position, since a resumed
+    run samples the same completions from the same weights."""
+
+    def __init__(self, inner: BatchSource, run: Run, engine: Engine, pad: int):
+        super().__init__(inner)
+        self.run, self.engine, self.pad = run, engine, pad
+        d = run.cfg.distill
+        self.fraction, self.sampling = d.on_policy_fraction, Sampling(d.max_new_tokens, d.sampling_temperature)
+
+    def next(self) -> Batch:
+        run, step = self.run, self.run.state.step
+        batch = self.inner.next()
+        if not on_policy(run.cfg.train.seed, step, self.fraction):
+            return batch._replace(metrics={**batch.metrics, "on_policy": 0})
+        t0 = time.perf_counter()
+        prompts = prompts_of(batch.micro)
+        keys = [(run.cfg.train.seed, step, int(i)) for b in batch.micro for i in b[data.SAMPLE_INDEX]]
+        out = self.engine.generate(prompts, keys, self.sampling)
+        micro = micro_batches(prompts, out.tokens, out.truncated, self.pad, run.cfg.train.micro_batch_size, False,
+                              run.env.device)
+        for rows, b in zip(micro, batch.micro):
+            rows[data.SAMPLE_INDEX] = b[data.SAMPLE_INDEX]  # keys its dropout masks, as the data's rows
+        metrics = {**batch.metrics, "on_policy": 1, **completion_metrics(out, run.env.device)}
+        return Batch(micro, metrics, batch.work_s + time.perf_counter() - t0)
 
 
 class KDObjective:
@@ -372,10 +482,17 @@ class Distill(Finetune):
     def source(self, run: Run):
         built, source = super().source(run)
         d = run.cfg.distill
-        if d.teacher_logits is None:
+        if d.teacher_logits is not None:
+            manifest = stored.read_manifest(d.teacher_logits)  # checked before the process group (check_stored)
+            return built, StoredSource(source, stored.Store(d.teacher_logits, manifest))
+        if d.on_policy_fraction == 0:
             return built, source
-        manifest = stored.read_manifest(d.teacher_logits)  # checked before the process group (check_stored)
-        return built, StoredSource(source, stored.Store(d.teacher_logits, manifest))
+        eos, pad = hf.stop_ids(run.model_config.eos_token_id, run.tokenizer), run.tokenizer.pad_token_id
+        engine = LocalEngine(run.model, run.model_config, run.autocast, eos, pad, run.env.device)
+        run.metrics.info(f"distill: on-policy on a {d.on_policy_fraction:g} share of the steps: the student "
+                         f"completes each row's prompt (up to {d.max_new_tokens} tokens at temperature "
+                         f"{d.sampling_temperature:g}, EOS ids {eos}) and learns the teacher's distributions on it")
+        return built, OnPolicySource(source, run, engine, pad)
 
     def setup(self, run, built) -> None:
         super().setup(run, built)

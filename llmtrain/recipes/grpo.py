@@ -29,7 +29,7 @@ from llmtrain.losses.token import next_token_targets
 from llmtrain.models import hf as model_lib
 from llmtrain.recipes.base import Recipe
 from llmtrain.rollout import sync
-from llmtrain.rollout.engine import ENGINES, Engine, check_engine
+from llmtrain.rollout.engine import ENGINES, Engine, check_engine, completion_metrics
 from llmtrain.rollout.local import Sampling
 from llmtrain.rollout.rows import micro_batches
 from llmtrain.train.build import Reference, Run, build_data, reference, sampling_weights
@@ -250,20 +250,12 @@ class Rollouts:
         names = sorted({k for c in columns for k in c})
         per_func = self.score([prompts["prompts"][c // G] for c in rows], completions, out.tokens,
                               {k: [c.get(k) for c in columns] for k in names}, prompt_index)
-        lengths = torch.tensor([len(t) for t in out.tokens])
-        every = lambda t: distributed.gather_rows(t.to(env.device)).cpu()  # noqa: E731
-        scores, all_lengths, truncated = every(per_func), every(lengths), every(torch.tensor(out.truncated).long())
+        scores = distributed.gather_rows(per_func.to(env.device)).cpu()
         adv = policy.group_advantages(scores, g.reward_weights, G, g.scale_rewards)
         if note := rewards.none_applied(scores, self.funcs, prompts["prompt_index"].tolist(), run.state.step + 1):
             run.metrics.info(note)
-        generated = distributed.all_reduce(lengths.sum().to(env.device)).item()
-        seconds = distributed.all_reduce(torch.tensor(out.seconds, device=env.device), ReduceOp.MAX).item()
         metrics = {**policy.reward_metrics(scores, [f.name for f in self.funcs], adv),
-                   "completions/mean_length": all_lengths.float().mean().item(),
-                   "completions/min_length": all_lengths.min().item(),
-                   "completions/max_length": all_lengths.max().item(),
-                   "completions/clipped_ratio": truncated.float().mean().item(),
-                   "generation_s": seconds, "generated_tokens_per_s": generated / max(seconds, 1e-9)}
+                   **completion_metrics(out, env.device)}
         micro = self.batches(prompts, out.tokens, out.truncated, adv.advantages[rows.start:rows.stop].tolist(),
                              out.logps)
         old = self.set_logps(micro, "old_logps", self.trainer_logps(micro)) if g.num_iterations > 1 else None

@@ -33,9 +33,11 @@ import torch
 import torch.distributed as dist
 from accelerate import init_empty_weights
 from torch import nn
+from torch.distributed import ReduceOp
 from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
+from llmtrain import distributed
 from llmtrain.config import ConfigError
 from llmtrain.models.hf import materialize
 from llmtrain.rollout.local import Sampling, generate, sample_seed
@@ -51,6 +53,19 @@ class Completions(NamedTuple):
     logps: list[list[float]]    # per completion, the engine's log-prob of each of its tokens under the distribution
                                 # it sampled from (logits / temperature, after top-k / top-p): the drift guard's
     seconds: float              # sampling time on this rank
+
+
+def completion_metrics(out: Completions, device: torch.device) -> dict[str, float]:
+    """Collective (every rank, each with as many completions): TRL's completions/mean_length, /min_length,
+    /max_length and /clipped_ratio (no EOS within the budget) over every rank's completions, generation_s (the
+    slowest rank's sampling time) and generated_tokens_per_s (every rank's tokens over it)."""
+    lengths = distributed.gather_rows(torch.tensor([len(t) for t in out.tokens], device=device)).cpu()
+    truncated = distributed.gather_rows(torch.tensor(out.truncated, device=device).long()).cpu()
+    seconds = distributed.all_reduce(torch.tensor(out.seconds, device=device), ReduceOp.MAX).item()
+    return {"completions/mean_length": lengths.float().mean().item(), "completions/min_length": lengths.min().item(),
+            "completions/max_length": lengths.max().item(),
+            "completions/clipped_ratio": truncated.float().mean().item(),
+            "generation_s": seconds, "generated_tokens_per_s": lengths.sum().item() / max(seconds, 1e-9)}
 
 
 class Engine(Protocol):

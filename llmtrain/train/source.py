@@ -2,7 +2,7 @@
 of one optimizer step (what the objective trains on) and the source's own metrics; position() is where a
 resume starts (TrainState.data); state_dict()/load_state_dict() carry anything else it must keep across a
 resume (Recipe.source_state names it in the checkpoints). The data's micro-batches are one source (DataSource);
-GRPO's rollouts (prompts -> engine -> rewards -> rows) another."""
+GRPO's rollouts (prompts -> engine -> rewards -> rows) another; a Wrapping remakes another source's micro-batches."""
 
 from __future__ import annotations
 
@@ -44,6 +44,23 @@ class DataSource:
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+
+class Wrapping:
+    """A source that remakes another's micro-batches (its own next()) and keeps that one's position and state
+    as they are: distillation's offline teacher and on-policy steps."""
+
+    def __init__(self, inner: BatchSource):
+        self.inner = inner
+
+    def position(self) -> dict:
+        return self.inner.position()
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
 
 
 class Held:
