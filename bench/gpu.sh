@@ -21,9 +21,17 @@
 #      checkpointing, both; and LoRA r=16 on a bf16 base vs QLoRA (NF4 base), after eager. tokens/s
 #      and MFU (peak from llmtrain.metrics.PEAK_TFLOPS by GPU name,
 #      H200: 989.4 bf16 TFLOP/s dense) are the recipe's own metrics, after 10 warm-up steps.
-#   4. GRPO (recipes/grpo.py, needs `datasets`): the same model sampling 16 x 128 tokens a step; generation
-#      vs step time and generated tokens/s per step, from its metrics.jsonl (not run on a GPU yet either)
-#   5. a markdown table of the runs (bench/gpu_train.py --table), also saved to $RESULTS/table.md
+#   4. GRPO engines (bench/gpu_engines.py, no `datasets` needed): the same model (bf16, random init), 16 rows
+#      (2 demo prompts x G 8) of 128 tokens, generated tokens/s of HF generate (the baseline), then each
+#      grpo.engine (local, transformers, vllm; vllm skipped with a line when not importable) built through the
+#      registry, its weights pushed and fingerprint-checked as recipes/grpo.py does; a table and the line
+#      "vllm / hf generate: R x (target >= 5x ...)"; also $RESULTS/engines/results.json
+#   5. GRPO (recipes/grpo.py, needs `datasets`): one run per engine (vllm when importable), the same model
+#      sampling 16 x 128 tokens a step; generation vs step time and generated tokens/s per step, from its
+#      metrics.jsonl (not run on a GPU yet either)
+#   6. a markdown table of the throughput runs (bench/gpu_train.py --table), also saved to $RESULTS/table.md
+#
+# SECTIONS picks what runs (default all): e.g. SECTIONS="engines" bash bench/gpu.sh for the engines alone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,6 +42,7 @@ BUDGET_S=${BUDGET_S:-450}
 STEPS=${STEPS:-30}
 WARMUP=${WARMUP:-10}
 CONFIG=bench/gpu-1b.yaml
+SECTIONS=${SECTIONS:-checks throughput engines grpo}
 SMOKE=0
 EXTRA=()
 if [[ "${1:-}" == "--cpu-smoke" ]]; then
@@ -48,6 +57,7 @@ fi
 mkdir -p "$RESULTS"
 start=$SECONDS
 left() { echo $(( BUDGET_S - (SECONDS - start) )); }
+wanted() { [[ " $SECTIONS " == *" $1 "* ]]; }
 
 echo "== environment"
 if [[ $SMOKE == 0 ]]; then
@@ -56,11 +66,15 @@ fi
 $PY -c "import torch, transformers; print('torch', torch.__version__, '| CUDA', torch.version.cuda, '| transformers', transformers.__version__, '| GPUs', torch.cuda.device_count())"
 $PY -c "import datasets" 2>/dev/null && echo "datasets: installed (not needed)" || echo "datasets: not installed (not needed)"
 
+if wanted checks; then
 echo "== checks"
 timeout 120 $PY bench/gpu_checks.py $([[ $SMOKE == 1 ]] && echo --allow-cpu) 2>"$RESULTS/checks.err" | tee "$RESULTS/checks.txt"
 checks_rc=${PIPESTATUS[0]}
 [[ $checks_rc == 0 ]] || echo "checks: exit $checks_rc (see $RESULTS/checks.err); continuing with the throughput runs"
+fi
 
+dirs=()
+if wanted throughput; then
 echo "== throughput: $CONFIG, $STEPS steps, table after $WARMUP warm-up steps"
 # lora / qlora: LoRA r=16 on a bf16 base vs QLoRA (lora.quantize_base=nf4, needs peft and torchao: a missing
 # package ends that row at start with the pip line); their tokens/s ratio is the GPU's QLoRA step-time cost
@@ -72,7 +86,6 @@ variants=("eager|"
           "compile|parallel.compile=true"
           "ac|parallel.activation_checkpointing=true"
           "ac+compile|parallel.activation_checkpointing=true parallel.compile=true")
-dirs=()
 for v in "${variants[@]}"; do
   name=${v%%|*}
   overrides=${v#*|}
@@ -99,25 +112,46 @@ for v in "${variants[@]}"; do
   (( rc == 0 )) || tail -n 5 "$out.log" | sed 's/^/   /'
   dirs+=("$out")
 done
+fi
 
-echo "== grpo: recipes/grpo.py on the $CONFIG model, demo prompts, G 8, 128 new tokens, 4 steps"
-# Needs `datasets` (prompts go through llmtrain.data); generation vs training time from its metrics.jsonl.
+if wanted engines; then
+echo "== grpo engines: bench/gpu_engines.py on the $CONFIG model, 2 demo prompts x G 8, 128 tokens"
 remaining=$(( $(left) - 20 ))
-if ! $PY -c "import datasets" 2>/dev/null; then
-  echo "-- grpo: skipped, datasets not installed"
-elif (( remaining < 60 )); then
-  echo "-- grpo: skipped, ${remaining}s left of BUDGET_S=$BUDGET_S"
+if (( remaining < 60 )); then
+  echo "-- engines: skipped, ${remaining}s left of BUDGET_S=$BUDGET_S"
 else
-  out="$RESULTS/grpo"
+  timeout -k 5 "$(( remaining < 300 ? remaining : 300 ))" $PY bench/gpu_engines.py --out "$RESULTS/engines" \
+      $([[ $SMOKE == 1 ]] && echo --cpu-smoke) 2>"$RESULTS/engines.err" | tee "$RESULTS/engines.txt"
+  rc=${PIPESTATUS[0]}
+  (( rc == 0 )) || { echo "   exit $rc; last lines of $RESULTS/engines.err:"; tail -n 5 "$RESULTS/engines.err" | sed 's/^/   /'; }
+fi
+fi
+
+if wanted grpo; then
+echo "== grpo: recipes/grpo.py per grpo.engine on the $CONFIG model, demo prompts, G 8, 128 new tokens, 4 steps"
+# Needs `datasets` (prompts go through llmtrain.data); generation vs training time from its metrics.jsonl.
+engines=(local transformers)
+if $PY -c "import vllm" 2>/dev/null; then engines+=(vllm); else echo "-- grpo vllm: skipped, vllm not importable"; fi
+for engine in "${engines[@]}"; do
+  remaining=$(( $(left) - 20 ))
+  if ! $PY -c "import datasets" 2>/dev/null; then
+    echo "-- grpo: skipped, datasets not installed"
+    break
+  elif (( remaining < 60 )); then
+    echo "-- grpo $engine: skipped, ${remaining}s left of BUDGET_S=$BUDGET_S"
+    continue
+  fi
+  out="$RESULTS/grpo-$engine"
   rm -rf "$out"
   # shellcheck disable=SC2086
   timeout -k 5 "$(( remaining < 150 ? remaining : 150 ))" $TORCHRUN --standalone --nproc_per_node=1 recipes/grpo.py \
       --config "$CONFIG" output_dir="$out" "${EXTRA[@]}" data.path=data/demo/prompts.jsonl data.format=prompt \
       data.seq_len=64 train.max_steps=4 train.micro_batch_size=16 grpo.num_generations=8 \
       grpo.max_completion_length=128 "grpo.reward_funcs=[llmtrain.rewards:format_regex]" checkpoint.resume=never \
-      >"$out.log" 2>&1
-  echo "   exit $?; generation vs step time per step:"
+      grpo.engine="$engine" >"$out.log" 2>&1
+  echo "-- grpo $engine: exit $?; generation vs step time per step:"
   $PY -c "import json,sys; [print(f'   step {r[\"step\"]}: generation {r[\"generation_s\"]:.2f}s of {r[\"step_time_s\"]:.2f}s, {r[\"generated_tokens_per_s\"]:.0f} generated tok/s, mem {r[\"mem_gb\"]:.1f} GB') for r in map(json.loads, open(sys.argv[1])) if 'loss' in r]" "$out/metrics.jsonl" 2>/dev/null || tail -n 5 "$out.log"
+done
 fi
 
 echo "== results ($(( SECONDS - start ))s so far)"

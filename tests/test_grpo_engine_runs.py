@@ -22,14 +22,14 @@ TWO = ("train.micro_batch_size=3",)
 STALE = """\
 import runpy, sys
 sys.path.insert(0, REPO)
-from llmtrain.rollout import engine
+from llmtrain.rollout import engine, registry
 
 class Stale(engine.TransformersEngine):
     def update_weights(self, step, full):
         if step == 0:
             super().update_weights(step, full)
 
-engine.ENGINES["transformers"] = Stale
+registry.ENGINES["transformers"] = Stale
 runpy.run_path(REPO + "/recipes/grpo.py", run_name="__main__")
 """
 

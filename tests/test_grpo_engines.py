@@ -1,12 +1,12 @@
 """grpo.engine: the vLLM glue of llmtrain.rollout.vllm against a fake vLLM (no vllm installed: RequestOutput-
 shaped answers from an LLM.generate stand-in): one request per row with its key's seed, the sampling
 parameters and EOS ids as stop tokens; the answers read back as Completions with the sampled tokens' log-probs,
-cut after the first EOS, truncation flagged, and reproducible by key whatever the batch; grpo.engine's set-up
-check: vllm on CPU refused in one line naming the key, vllm on CUDA (not wired in) likewise, transformers taken.
-The transformers engine (a real 1-rank gloo group): it samples with the weights pushed into it (export.hf_state of
-a trainer model), its log-probs are the trainer's filtered distribution's (temperature, top-k, top-p) to 1e-5, the
-same rows give the same completions; the weight-sync fingerprint (llmtrain.rollout.sync) of its copy equals the
-trainer's after a push, and one stale parameter stops the step with one line naming it."""
+cut after the first EOS, truncation flagged, and reproducible by key whatever the batch (the vLLM engine around
+this glue and grpo.engine's set-up checks: tests/test_grpo_vllm.py). The transformers engine (a real 1-rank gloo
+group): it samples with the weights pushed into it (export.hf_state of a trainer model), its log-probs are the
+trainer's filtered distribution's (temperature, top-k, top-p) to 1e-5, the same rows give the same completions;
+the weight-sync fingerprint (llmtrain.rollout.sync) of its copy equals the trainer's after a push, and one stale
+parameter stops the step with one line naming it."""
 
 from __future__ import annotations
 
@@ -17,16 +17,15 @@ import torch
 
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from llmtrain.config import ConfigError, RunError
+from helpers.engines import stale_copy_is_caught
 from llmtrain.export import hf_state
 from llmtrain.parallelize import STRATEGIES
 from llmtrain.rollout import sync
-from llmtrain.rollout.engine import TransformersEngine
+from llmtrain.rollout.engine import EngineSetup, TransformersEngine
 from llmtrain.rollout.local import Sampling, filter_logits, sample_seed
 from llmtrain.rollout.rows import training_rows
 from llmtrain.rollout.vllm import from_vllm, vllm_requests
 from llmtrain.losses import policy
-from llmtrain.rollout.engine import check_engine
 
 EOS, PAD, VOCAB = [2, 3], 0, 24
 
@@ -112,18 +111,6 @@ def test_answers_without_logprobs_are_refused():
         from_vllm(raw, EOS, PAD)
 
 
-@pytest.mark.parametrize("engine, cuda, message", [
-    ("vllm", False, "grpo.engine: vllm runs on CUDA GPUs only and this run is on CPU"),
-    ("vllm", True, "grpo.engine: vllm is not wired into recipes/grpo.py yet"),
-])
-def test_engine_choice_is_checked_at_set_up(engine, cuda, message):
-    check_engine("local", cuda)
-    check_engine("transformers", cuda)
-    with pytest.raises(ConfigError, match=message) as e:
-        check_engine(engine, cuda)
-    assert "\n" not in str(e.value)
-
-
 CPU = torch.device("cpu")
 
 
@@ -132,14 +119,15 @@ def trainer_and_engine() -> tuple[LlamaForCausalLM, TransformersEngine]:
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          tie_word_embeddings=True)
-    return LlamaForCausalLM(config), TransformersEngine(None, config, None, EOS, PAD, CPU)
+    setup = EngineSetup(64, len(ROWS), 7, torch.float32, "unused", 0.3, False)
+    return LlamaForCausalLM(config), TransformersEngine(None, config, None, EOS, PAD, CPU, setup)
 
 
 def push(trainer, engine, step: int) -> dict[str, float]:
     """What recipes/grpo.py's Rollouts.push does: gather, push, fingerprint the trainer's weights."""
     full = hf_state(trainer, STRATEGIES["none"], CPU)
     engine.update_weights(step, full)
-    return sync.trainer_fingerprint(full, 7, step)
+    return sync.trainer_fingerprint(full, 7, step, engine.weights_dtype)
 
 
 def test_transformers_engine_samples_the_pushed_weights_with_their_logprobs(single_process_group):
@@ -165,15 +153,4 @@ def test_weight_sync_fingerprint_catches_a_stale_engine(single_process_group):
     expected = push(trainer, engine, 0)
     assert len(expected) == sync.PARAMETERS and expected == engine.fingerprint(list(expected))
     sync.check(expected, engine.fingerprint(list(expected)), 0, "transformers")
-    with torch.no_grad():  # an update the engine does not get (every element: any slice sees it)
-        for p in trainer.parameters():
-            p.add_(1e-3)
-    stale = sync.trainer_fingerprint(hf_state(trainer, STRATEGIES["none"], CPU), 7, 1)
-    with pytest.raises(RunError) as e:
-        sync.check(stale, engine.fingerprint(list(stale)), 1, "transformers")
-    first = next(iter(stale))
-    assert str(e.value) == (f"grpo.engine=transformers: after the weight push for step 2, rank 0's engine differs "
-                            f"from the trainer on {first} (fingerprint {engine.fingerprint([first])[first]!r} "
-                            f"vs {stale[first]!r}): it would sample from stale weights")
-    push(trainer, engine, 1)  # pushed: equal again
-    sync.check(stale, engine.fingerprint(list(stale)), 1, "transformers")
+    stale_copy_is_caught(trainer, engine, "transformers", 1e-3, 7)

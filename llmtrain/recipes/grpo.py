@@ -29,12 +29,14 @@ from llmtrain.losses.token import next_token_targets
 from llmtrain.models import hf as model_lib
 from llmtrain.recipes.base import Recipe
 from llmtrain.rollout import sync
-from llmtrain.rollout.engine import ENGINES, Engine, check_engine, completion_metrics
+from llmtrain.rollout.engine import Engine, EngineSetup, completion_metrics
 from llmtrain.rollout.local import Sampling
+from llmtrain.rollout.registry import ENGINES, check_engine
 from llmtrain.rollout.rows import micro_batches
 from llmtrain.train.build import Reference, Run, build_data, reference, sampling_weights
 from llmtrain.train.source import Batch
 from llmtrain.train.step import Share
+from llmtrain.utils import DTYPES
 
 USAGE = """\
 GRPO / DAPO / Dr. GRPO with DDP, FSDP or FSDP2 on GPUs (NCCL) or CPUs (gloo).
@@ -98,8 +100,15 @@ class GRPOSection:
     """What samples the completions: local (llmtrain.rollout.local's keyed sampler on the training model, the
     same completions at any world size, strategy or resume); transformers (transformers' continuous batching on
     each rank's own fp32 copy of the policy, its weights pushed and fingerprint-checked at every generation
-    batch; reproducible for the same rows, not at another world size or split); vllm (colocated, CUDA only) is
-    not wired in yet and is refused at set-up."""
+    batch; reproducible for the same rows, not at another world size or split); vllm (vLLM colocated in each
+    training process on CUDA, its own copy in the compute dtype, pushed and checked the same way; needs
+    `pip install vllm`, not tested on a GPU yet: docs/grpo.md)."""
+    vllm_gpu_memory_utilization: float = ranged("(0, 1]", default=0.3)
+    """grpo.engine=vllm: the fraction of the GPU's memory vLLM takes for its weights, activations and KV cache
+    (TRL's vllm_gpu_memory_utilization); the training's model, gradients and optimizer need the rest."""
+    vllm_enable_sleep_mode: bool = False
+    """grpo.engine=vllm: vLLM sleeps between generations (weights offloaded to the CPU, KV cache freed), so
+    training gets its memory back; costs a copy back before each push (TRL's vllm_enable_sleep_mode)."""
     importance_correction: Literal["none", "tis", "mis"] = "none"
     """Correct for the engine's log-probs differing from the trainer's (TRL's vllm_importance_sampling_*): tis
     multiplies each token's policy-gradient loss by min(exp(trainer - engine log-prob), importance_cap)
@@ -278,7 +287,7 @@ class Rollouts:
         full = sampling_weights(run) if copies else {}
         self.engine.update_weights(step, full)
         if copies:
-            trainer = sync.trainer_fingerprint(full, run.cfg.train.seed, step)
+            trainer = sync.trainer_fingerprint(full, run.cfg.train.seed, step, self.engine.weights_dtype)
             sync.check(trainer, self.engine.fingerprint(list(trainer)), step, self.section.engine)
 
     def restore(self, prompts: dict) -> tuple[list[dict], dict]:
@@ -392,7 +401,11 @@ class GRPO(Recipe):
         # Every rank gets the step's whole batch of prompts (global batch / G) and samples its share of completions.
         steps = data.make_steps(built, run.global_batch // g.num_generations, 1, 1, 0, cfg.train.seed, run.env.device,
                                 run.state.data)
-        engine = ENGINES[g.engine](run.model, run.model_config, run.autocast, eos, pad, run.env.device)
+        setup = EngineSetup(cfg.data.seq_len + g.max_completion_length,
+                            cfg.train.micro_batch_size * cfg.train.grad_accum_steps, cfg.train.seed,
+                            DTYPES[cfg.parallel.mixed_precision], cfg.output_dir, g.vllm_gpu_memory_utilization,
+                            g.vllm_enable_sleep_mode)
+        engine = ENGINES[g.engine](run.model, run.model_config, run.autocast, eos, pad, run.env.device, setup)
         return built, Rollouts(run, PromptSteps(steps, g.num_iterations, run.state.data), engine,
                                Sampling(g.max_completion_length, g.temperature, g.top_p, g.top_k), funcs, ref, pad)
 

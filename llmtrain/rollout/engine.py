@@ -8,9 +8,10 @@ tokens; an on-policy recipe (GRPO) only asks it for completions, then scores the
 LocalEngine is the keyed sampler (llmtrain.rollout.local) on the training model itself, in the training
 processes: every rank samples its own rows, under any parallel strategy (Strategy.unsharded). Its weights are
 the policy's (copies_weights False): the recipe gathers nothing for it and checks nothing. TransformersEngine
-holds its own copy of the policy (copies_weights True): the recipe gathers the full weights
-(export.hf_state: Strategy.full_weights, LoRA merged) after each update, update_weights copies them in, and
-llmtrain.rollout.sync checks the copy.
+(here) and VLLMEngine (llmtrain.rollout.vllm) hold their own copy of the policy (copies_weights True): the
+recipe gathers the full weights (export.hf_state: Strategy.full_weights, LoRA merged) after each update,
+update_weights copies them in, and llmtrain.rollout.sync checks the copy. The registry of grpo.engine's choices
+is llmtrain.rollout.registry.
 
 TransformersEngine: transformers' continuous batching (its paged-attention generation path,
 PreTrainedModel.generate_batch) in the training processes. Each rank holds a whole Hugging Face model of the
@@ -38,12 +39,22 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from llmtrain import distributed
-from llmtrain.config import ConfigError
 from llmtrain.models.hf import materialize
-from llmtrain.rollout.local import Sampling, generate, sample_seed
+from llmtrain.rollout.local import Completions as Grid, Sampling, generate, sample_seed
 from llmtrain.rollout.sync import fingerprint
 
 PAGE = 64  # tokens per page of TransformersEngine's paged KV cache (sized to each call's rows)
+
+
+class EngineSetup(NamedTuple):
+    """Plain values an engine may size itself by, beside the model (recipes/grpo.py takes them from its config)."""
+    max_len: int        # tokens of a row at most: prompt + completion (data.seq_len + grpo.max_completion_length)
+    max_rows: int       # rows of one generate call on a rank (train.micro_batch_size x train.grad_accum_steps)
+    seed: int           # train.seed
+    dtype: torch.dtype  # the training's compute dtype (parallel.mixed_precision)
+    workdir: str        # output_dir: where an engine may keep scratch files for the run
+    vllm_gpu_memory_utilization: float  # grpo.vllm_gpu_memory_utilization
+    vllm_enable_sleep_mode: bool        # grpo.vllm_enable_sleep_mode
 
 
 class Completions(NamedTuple):
@@ -69,10 +80,13 @@ def completion_metrics(out: Completions, device: torch.device) -> dict[str, floa
 
 
 class Engine(Protocol):
-    """Built as ENGINES[grpo.engine](model, model_config, autocast, eos_ids, pad_id, device): the training model,
-    its Hugging Face config, the training's autocast, the stop ids, the padding id, the rank's device."""
+    """Built as ENGINES[grpo.engine](model, model_config, autocast, eos_ids, pad_id, device, setup): the training
+    model, its Hugging Face config, the training's autocast, the stop ids, the padding id, the rank's device and
+    the EngineSetup."""
     copies_weights: bool
     """Whether the engine samples from its own copy of the policy (update_weights copies, sync checks it)."""
+    weights_dtype: torch.dtype | None
+    """The dtype of that copy: the trainer's fingerprint is taken in it (None: no copy)."""
 
     def generate(self, prompt_ids: list[list[int]], keys: list[tuple[int, ...]], sampling: Sampling) -> Completions:
         """One completion per prompt row (repeat a prompt G times with G keys for a group). Collective when the
@@ -87,22 +101,27 @@ class Engine(Protocol):
         """llmtrain.rollout.sync.fingerprint of the weights it samples with (an engine that copies_weights)."""
 
 
+def listed(out: Grid, seconds: float) -> Completions:
+    """An engine's Completions from llmtrain.rollout.local's (a padded grid with log-probs)."""
+    lengths = out.lengths.tolist()
+    return Completions([r[:n] for r, n in zip(out.ids.tolist(), lengths)], out.truncated.tolist(),
+                       [r[:n] for r, n in zip(out.logps.tolist(), lengths)], seconds)
+
+
 class LocalEngine:
     """The keyed sampler on the training model (llmtrain.rollout.local.generate)."""
-    copies_weights = False
+    copies_weights, weights_dtype = False, None
 
     def __init__(self, model: nn.Module, model_config, autocast: Callable[[], contextlib.AbstractContextManager],
-                 eos_ids: list[int], pad_id: int, device: torch.device):
+                 eos_ids: list[int], pad_id: int, device: torch.device, setup: EngineSetup | None = None):
+        # setup is unused: it sizes nothing of its own (recipes/distill.py, which has no grpo keys, passes none)
         self.model, self.autocast, self.eos, self.pad, self.device = model, autocast, eos_ids, pad_id, device
 
     def generate(self, prompt_ids, keys, sampling) -> Completions:
         t0 = time.perf_counter()
         with self.autocast():
             out = generate(self.model, prompt_ids, keys, sampling, self.eos, self.pad, self.device)
-        seconds = time.perf_counter() - t0
-        lengths = out.lengths.tolist()
-        return Completions([r[:n] for r, n in zip(out.ids.tolist(), lengths)], out.truncated.tolist(),
-                           [r[:n] for r, n in zip(out.logps.tolist(), lengths)], seconds)
+        return listed(out, time.perf_counter() - t0)
 
     def update_weights(self, step: int, full: dict[str, torch.Tensor]) -> None:
         """Samples from the training model itself: its weights are always the policy's."""
@@ -110,16 +129,16 @@ class LocalEngine:
 
 class TransformersEngine:
     """Continuous batching on a whole copy of the policy per rank (the module's docstring)."""
-    copies_weights = True
+    copies_weights, weights_dtype = True, torch.float32
 
     def __init__(self, model: nn.Module, model_config, autocast: Callable[[], contextlib.AbstractContextManager],
-                 eos_ids: list[int], pad_id: int, device: torch.device):
+                 eos_ids: list[int], pad_id: int, device: torch.device, setup: EngineSetup):
         # Its own model from the policy's config: the weights arrive with update_weights; it runs in continuous
         # batching's thread, which the training's autocast (thread-local) does not reach.
         config = copy.deepcopy(model_config)
         config._attn_implementation = "sdpa"  # the training's may be a kernel registered for training only
         with init_empty_weights(include_buffers=False):  # no random init: NaN until the first push
-            self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            self.model = AutoModelForCausalLM.from_config(config, dtype=self.weights_dtype)
         materialize(self.model, device)
         self.model.tie_weights()
         self.model.eval().requires_grad_(False)
@@ -132,7 +151,7 @@ class TransformersEngine:
             dist.broadcast(tensor, src=0)
 
     def fingerprint(self, names: list[str]) -> dict[str, float]:
-        return fingerprint(self.model.state_dict(), names)
+        return fingerprint(self.model.state_dict(), names, self.weights_dtype)
 
     def generate(self, prompt_ids, keys, sampling) -> Completions:
         rows = len(prompt_ids)
@@ -161,14 +180,3 @@ class TransformersEngine:
             logps.append([float(x) for x in result.logprobs[:n]])
             truncated.append(not ids[:n] or ids[n - 1] not in self.eos)
         return Completions(tokens, truncated, logps, seconds)
-
-
-ENGINES = {"local": LocalEngine, "transformers": TransformersEngine}  # grpo.engine's choices built (vllm: docs)
-
-
-def check_engine(name: str, cuda: bool) -> None:
-    """grpo.engine at set-up (its choices are GRPOSection's Literal): vllm on a CUDA device only, and built."""
-    if name == "vllm" and not cuda:
-        raise ConfigError("grpo.engine: vllm runs on CUDA GPUs only and this run is on CPU; use grpo.engine=local")
-    if name not in ENGINES:
-        raise ConfigError(f"grpo.engine: {name} is not wired into recipes/grpo.py yet; use grpo.engine=local")

@@ -2,7 +2,9 @@
 after each push, a cheap fingerprint of the engine's weights must equal the trainer's, or the step stops.
 
 A fingerprint is, for PARAMETERS names drawn from the weights' names by a key (the run's seed and the step, so
-that a run covers every parameter in time), the float64 sum of a strided slice of about SLICE elements of each.
+that a run covers every parameter in time), the float64 sum of a strided slice of about SLICE elements of each,
+taken in the engine copy's dtype (Engine.weights_dtype: the trainer's fp32 values rounded as the push rounds
+them, so a bf16 copy matches exactly) and summed on the CPU (the same order of additions on both sides).
 Both sides take it by Hugging Face names, LoRA adapters merged into their base (export.hf_state): what the
 engine samples with. The trainer's comes from the gathered full weights (rank 0, sent to every rank); every
 rank checks its own engine and the ranks agree on the outcome (one all-gather), so all stop together.
@@ -29,19 +31,19 @@ def chosen(names: list[str], seed: int, step: int) -> list[str]:
     return random.Random(sample_seed(seed, step)).sample(ordered, min(PARAMETERS, len(ordered)))
 
 
-def fingerprint(weights: Mapping[str, torch.Tensor], names: list[str]) -> dict[str, float]:
-    """{name: float64 sum of every (numel // SLICE)-th element of the flattened tensor}."""
+def fingerprint(weights: Mapping[str, torch.Tensor], names: list[str], dtype: torch.dtype) -> dict[str, float]:
+    """{name: float64 sum, on the CPU, of every (numel // SLICE)-th element of the flattened tensor in `dtype`}."""
     out = {}
     for name in names:
         flat = weights[name].detach().reshape(-1)
-        out[name] = flat[::max(1, flat.numel() // SLICE)].double().sum().item()
+        out[name] = flat[::max(1, flat.numel() // SLICE)].to("cpu", dtype).double().sum().item()
     return out
 
 
-def trainer_fingerprint(full: Mapping[str, torch.Tensor], seed: int, step: int) -> dict[str, float]:
-    """Collective: the fingerprint of the trainer's full weights, which rank 0 holds ({} on the other ranks:
-    export.hf_state), on every rank."""
-    return distributed.gather_objects(fingerprint(full, chosen(list(full), seed, step)) if full else None)[0]
+def trainer_fingerprint(full: Mapping[str, torch.Tensor], seed: int, step: int, dtype: torch.dtype) -> dict[str, float]:
+    """Collective: the fingerprint (in the engine copy's `dtype`) of the trainer's full weights, which rank 0 holds
+    ({} on the other ranks: export.hf_state), on every rank."""
+    return distributed.gather_objects(fingerprint(full, chosen(list(full), seed, step), dtype) if full else None)[0]
 
 
 def check(trainer: dict[str, float], engine: dict[str, float], step: int, engine_name: str) -> None:
