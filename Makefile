@@ -5,6 +5,9 @@ PY ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 NPROC ?= 2
+# make test's pytest workers: test modules are spread over them whole (--dist loadfile), so a module's
+# fixtures run once; on 2 cores 2 workers fill the cores a one-process run or a wait leaves idle.
+TEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 
 .PHONY: demo test test-fast lint install clean
@@ -22,7 +25,7 @@ demo: $(BIN)/.installed
 	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) recipes/finetune.py --config configs/demo.yaml
 
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 # The unit tests only: no test marked slow, and only those may start a process (tests/helpers/procs.py).
 test-fast: $(BIN)/.installed

@@ -301,6 +301,10 @@ def lost_peer(e: BaseException, rank: int) -> str | None:
     if not (isinstance(e, (RuntimeError, dist.DistError)) and any(k in text for k in _LOST)):
         return None
     dead = dead_peers()
+    deadline = time.monotonic() + 2  # a killed peer's sockets close before it turns zombie: on a busy node the
+    while not dead and time.monotonic() < deadline:  # reset can arrive first, so give its exit a moment
+        time.sleep(0.05)
+        dead = dead_peers()
     if dead:
         who = "; ".join(f"rank {r} {how}" for r, how in dead.items())
     elif _peers:
