@@ -30,8 +30,13 @@ def env(extra: dict | None = None) -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(extra or {})}
 
 
-def command(args: list, nproc: int = 1, torchrun: bool = True, torchrun_args: tuple[str, ...] = ()) -> list[str]:
-    """`args` (a script or -m module and its arguments) under torchrun with nproc processes, or plain python."""
+def command(args: list, nproc: int = 1, torchrun: bool | None = None,
+            torchrun_args: tuple[str, ...] = ()) -> list[str]:
+    """`args` (a script or -m module and its arguments) under torchrun with nproc processes, or plain python.
+    torchrun=None: torchrun for several processes or torchrun_args, plain python for one (the same run, as
+    tests/test_features.py checks, without the launcher's ~3 s of CPU)."""
+    if torchrun is None:
+        torchrun = nproc > 1 or bool(torchrun_args)
     if torchrun:
         return [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", *torchrun_args,
                 *map(str, args)]

@@ -24,7 +24,7 @@ TWO_RANKS = ("parallel.strategy=ddp", "train.micro_batch_size=2")  # global batc
 running_slow_test = False
 
 
-def start(args: list[str], nproc: int = 1, env: dict | None = None, torchrun: bool = True,
+def start(args: list[str], nproc: int = 1, env: dict | None = None, torchrun: bool | None = None,
           torchrun_args: tuple[str, ...] = ()) -> subprocess.Popen:
     """Start `args` (a script and its arguments) under torchrun with nproc processes, or plain python,
     in its own process group (so a timeout can kill everything it started)."""
@@ -41,7 +41,7 @@ def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProces
 
 
 def launch(args: list[str], nproc: int = 1, timeout: float = 240, env: dict | None = None,
-           torchrun: bool = True, torchrun_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+           torchrun: bool | None = None, torchrun_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     return finish(start(args, nproc, env, torchrun, torchrun_args), timeout)
 
 
@@ -65,7 +65,7 @@ def wait_for_step(output_dir: Path, step: int, proc: subprocess.Popen, timeout: 
     pytest.fail(f"no step {step} within {timeout}s")
 
 
-def start_recipe(output_dir: Path, *overrides: str, nproc: int = 1, config: Path = TINY, torchrun: bool = True,
+def start_recipe(output_dir: Path, *overrides: str, nproc: int = 1, config: Path = TINY, torchrun: bool | None = None,
                  torchrun_args: tuple[str, ...] = (), script: Path = RECIPE) -> subprocess.Popen:
     """Start the recipe (or `script`, another entry point taking the recipe's arguments)."""
     return start([script, "--config", config, f"output_dir={output_dir}", *overrides], nproc=nproc,
@@ -81,7 +81,7 @@ def finish_recipe(proc: subprocess.Popen, timeout: float = 240, check: bool = Tr
 
 
 def run_recipe(output_dir: Path, *overrides: str, nproc: int = 1, config: Path = TINY, check: bool = True,
-               timeout: float = 240, torchrun: bool = True, torchrun_args: tuple[str, ...] = (),
+               timeout: float = 240, torchrun: bool | None = None, torchrun_args: tuple[str, ...] = (),
                script: Path = RECIPE) -> subprocess.CompletedProcess:
     proc = start_recipe(output_dir, *overrides, nproc=nproc, config=config, torchrun=torchrun,
                         torchrun_args=torchrun_args, script=script)
