@@ -1,11 +1,14 @@
 """Small helpers every layer may use (a leaf: imports nothing of llmtrain): dtype names, giving freed heap
-back to the OS, publishing a directory atomically, and telling a full disk (free space, ENOSPC in any form)."""
+back to the OS, publishing a directory atomically, telling a full disk (free space, ENOSPC in any form), and
+printing to a pipe that may close early."""
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import os
 import shutil
+import sys
 from pathlib import Path
 from typing import BinaryIO
 
@@ -75,3 +78,13 @@ def free_bytes(path: str | Path) -> int:
 
 def megabytes(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
+
+
+def print_piped(text: str) -> None:
+    """Write text to stdout; a reader that stops early (`| head`) ends the output quietly, as a Unix filter's
+    does, instead of a BrokenPipeError traceback."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to fail at exit's flush

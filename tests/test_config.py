@@ -200,3 +200,21 @@ def test_negative_lora_alpha_exits_2_with_one_line(run_setup):
     code, out, err = run_setup(RECIPE, "--config", TINY, "lora.enabled=true", "lora.alpha=-1")
     assert code == 2 and out == ""
     assert err == "error: lora.alpha must be > 0, got -1.0\n", err
+
+
+def test_help_config_into_a_pipe_closed_early_ends_quietly(monkeypatch):
+    """`--help-config | head -3` (README): the reader closes the pipe after a few lines; the rest is dropped
+    without a BrokenPipeError traceback, and nothing fails at exit's flush."""
+    import os
+    import sys
+
+    from llmtrain.utils import print_piped
+
+    read, write = os.pipe()
+    os.close(read)
+    out = open(write, "w")
+    monkeypatch.setattr(sys, "stdout", out)
+    print_piped("".join(f"{key}\n" for key, *_ in describe(DPOConfig)) * 200)  # past the pipe's buffer
+    out.write("more")
+    out.flush()  # goes to /dev/null now
+    out.close()

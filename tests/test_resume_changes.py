@@ -1,6 +1,7 @@
 """Resuming with a changed setup (llmtrain/resume.py): each change a user makes is either continued with a line
 saying what changed, or refused before anything is loaded, naming every differing key with old -> new (never
-advice to move a healthy checkpoint away); checkpoint.allow_changes lets a user who means it continue."""
+advice to move a healthy checkpoint away); checkpoint.allow_changes lets a user who means it continue. With no
+checkpoint to resume from, a run says what of an earlier run in its output_dir it replaces."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from helpers import REPO
-from helpers.procs import run_recipe
+from helpers.procs import read_metrics, run_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -103,3 +104,14 @@ def test_another_architecture_is_refused_naming_model_path_and_the_shapes(saved,
 def test_lora_adapter_changes_are_refused_naming_the_key(saved, models, tmp_path, change, wanted):
     res = resume(saved["lora"], tmp_path, f"model.path={models['a']}", "lora.enabled=true", change)
     refused(res, wanted)
+
+
+@pytest.mark.slow
+def test_a_run_starting_over_in_an_earlier_runs_output_dir_says_what_it_replaces(tmp_path):
+    """No checkpoint to resume from (none were written): the second run starts over, and says that it
+    rewrites the first one's metrics and export, naming the way to keep them."""
+    run_recipe(tmp_path, "train.max_steps=2", torchrun=False)
+    res = run_recipe(tmp_path, "train.max_steps=1", torchrun=False)
+    assert (f"note: output_dir {tmp_path} holds an earlier run's metrics.jsonl and hf/ and no checkpoint to resume "
+            "from: this run starts over and replaces them (another output_dir keeps them)") in res.stdout
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1]

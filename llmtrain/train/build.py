@@ -17,7 +17,7 @@ import torch
 from llmtrain import checkpoint, data, distributed, export as export_lib, lock, optim, parallelize, preflight, resume
 from llmtrain.config import CheckpointConfig, Config, to_yaml
 from llmtrain.losses import token as loss_lib
-from llmtrain.metrics import MetricsLogger
+from llmtrain.metrics import METRICS_FILE, MetricsLogger
 from llmtrain.models import attention, lora
 from llmtrain.models import hf as model_lib
 from llmtrain.models.build import BuiltModel, build_model
@@ -111,6 +111,7 @@ def build(cfg: Config, env: distributed.DistEnv, recipe: str, registered: list[R
     # What the next checkpoints record: this run's (also after an allowed change).
     state.identity, state.global_batch, state.world_size = identity, global_batch, env.world_size
     model_lib.check_initialized(model)  # every parameter loaded (from model.path or the checkpoint)
+    replaced = [] if state.step > 0 else _earlier_run(cfg.output_dir)  # before the logger truncates its file
     metrics = MetricsLogger(cfg.output_dir, env.is_main, cfg.train.max_steps, state.step, cfg.log.progress,
                             append=state.step > 0, section=cfg.log, run_config=cfg)
     plan = policy.plan
@@ -133,10 +134,21 @@ def build(cfg: Config, env: distributed.DistEnv, recipe: str, registered: list[R
         metrics.info(f"resumed at step {state.step} ({state.samples_seen} samples seen)")
     for line in changed:
         metrics.info(line)
+    if replaced:
+        metrics.info(f"note: output_dir {cfg.output_dir} holds an earlier run's {' and '.join(replaced)} and no "
+                     "checkpoint to resume from: this run starts over and replaces them (another output_dir keeps "
+                     "them)")
     if env.is_main:
         (Path(cfg.output_dir) / "config.yaml").write_text(to_yaml(cfg))
     return Run(cfg, env, tokenizer, policy, opt, parallelize.grad_scaler(plan, env.device), peak, global_batch,
                ckpt, state, metrics, token_loss, preemption)
+
+
+def _earlier_run(output_dir: str) -> list[str]:
+    """What an earlier run left in output_dir that a run starting over rewrites: its metrics and exports."""
+    out = Path(output_dir)
+    return [name for name in (METRICS_FILE, *(f"{d}/" for d in export_lib.LORA_OUTPUTS["both"]))
+            if (out / name).exists()]
 
 
 def _checkpoints_kept(section: CheckpointConfig, max_steps: int) -> int:

@@ -18,6 +18,7 @@ from llmtrain.models import hf as model_lib
 from llmtrain.models import lora, nf4
 from llmtrain.train import harness
 from llmtrain.train.loop import Preempted
+from llmtrain.utils import print_piped
 
 
 def parse_args(argv: list[str] | None, usage: str) -> argparse.Namespace:
@@ -62,15 +63,14 @@ def main(argv: list[str] | None, usage: str, config_cls: type[Config],
     """Parse, check (the recipe's own `check`, then the shared ones), init, train; returns the exit code."""
     args = parse_args(argv, usage)
     if args.help_config:
-        for key, tp, default, doc in describe(config_cls):
-            print(f"{key:36} {tp:48} {default:14} {doc}")
+        print_piped("".join(f"{key:36} {tp:48} {default:14} {doc}\n" for key, tp, default, doc in describe(config_cls)))
         return 0
     try:
         cfg = setup(args, config_cls, check)
     except ConfigError as e:  # every rank finds it alike: printed once (distributed.error_once)
         return fail(f"error: {e}", 2, once=True)
     if args.print_config:
-        print(to_yaml(cfg), end="")
+        print_piped(to_yaml(cfg))
         return 0
     try:
         env = distributed.init(cfg.distributed)
