@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,7 +65,9 @@ def read_checkpoint(ckpt: Path, dtype: str) -> CheckpointModel:
     # A LoRA checkpoint holds its adapters in fp32 (they are merged in fp32, then cast).
     state = {key: torch.empty(m.size, dtype=torch.float32 if lora else DTYPES[dtype]) for key, m in meta.items()
              if key.startswith(PREFIX) and isinstance(m, TensorStorageMetadata)}
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # no_dist=True still warns that it loads in one process, as meant here
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
     config = AutoConfig.from_pretrained(ckpt / HF_CONFIG_DIR)
     tokenizer = AutoTokenizer.from_pretrained(ckpt / HF_CONFIG_DIR)
     weights = {key[len(PREFIX):]: state.pop(key) for key in list(state)}
