@@ -5,7 +5,8 @@ same losses and eval metrics; the teacher is untouched (its files, its val_teach
 of it in the checkpoint, whose model and optimizer state are the student's adapters only); a run resumed from a
 2-rank checkpoint on 1 process continues exactly; the exported adapter/ on the student base (PEFT) gives the
 merged export's logits, 2-rank export against 1-process baseline. With QLoRA (lora.quantize_base=nf4, every
-block linear of the student quantized) 1 process and 2 fsdp2 ranks log the same falling losses."""
+block linear of the student quantized) 1 process and 2 fsdp2 ranks with accumulation log the same falling
+losses."""
 
 from __future__ import annotations
 
@@ -85,10 +86,11 @@ def evals(output_dir: Path) -> dict[int, dict]:
 def test_lora_student_losses_match_across_ranks_strategies_and_accumulation(runs):
     want = losses_by_step(runs["none"])
     assert sorted(want) == [1, 2, 3, 4] and want[4] < want[1], want
+    kd = {r["step"]: r["kd_loss"] for r in read_metrics(runs["none"]) if "loss" in r}
     for name in ("ddp", "fsdp2"):
         assert losses_by_step(runs[name]) == pytest.approx(want, abs=TOL), name
-    first = read_metrics(runs["none"])[0]
-    assert first["kd_loss"] > 0.1, first  # the student starts far from the teacher: the KD term counts
+        got = {r["step"]: r["kd_loss"] for r in read_metrics(runs[name]) if "loss" in r}
+        assert got == pytest.approx(kd, rel=1e-5), name  # KD ~ 3e-3 (top-8 JSD): to its own precision
     got, want = evals(runs["fsdp2"]), evals(runs["none"])
     assert sorted(want) == sorted(got) == [2, 4]
     for step in (2, 4):
