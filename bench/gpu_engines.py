@@ -76,6 +76,18 @@ def model_logps(model, prompts: list[list[int]], tokens: list[list[int]], device
     return out
 
 
+def pushed_engine(name: str, model, eos: list[int], pad: int, device: torch.device, setup: EngineSetup):
+    """ENGINES[name] on `model` with its weights pushed as recipes/grpo.py pushes them (export.hf_state, then
+    update_weights and the weight-sync check)."""
+    engine = ENGINES[name](model, model.config, contextlib.nullcontext, eos, pad, device, setup)
+    full = hf_state(model, STRATEGIES["none"], device) if engine.copies_weights else {}
+    engine.update_weights(0, full)
+    if engine.copies_weights:
+        trainer = sync.trainer_fingerprint(full, SEED, 0, engine.weights_dtype)
+        sync.check(trainer, engine.fingerprint(list(trainer)), 0, name)
+    return engine
+
+
 def hf_generate(model, prompts, sampling: Sampling, eos: list[int], pad: int, device) -> tuple[list, list, float]:
     """transformers' generate on the left-padded batch: (tokens up to the first EOS, log-probs (none), seconds)."""
     width = max(map(len, prompts))
@@ -137,13 +149,7 @@ def main() -> int:
                 call = lambda n: hf_generate(model, rows, Sampling(n), eos, pad, device)  # noqa: E731
             else:
                 check_engine(name, cuda)
-                engine = ENGINES[name](model, model.config, contextlib.nullcontext, eos, pad, device, setup)
-                full = hf_state(model, STRATEGIES["none"], device) if engine.copies_weights else {}
-                engine.update_weights(0, full)
-                if engine.copies_weights:
-                    trainer = sync.trainer_fingerprint(full, SEED, 0, engine.weights_dtype)
-                    sync.check(trainer, engine.fingerprint(list(trainer)), 0, name)
-                del full
+                engine = pushed_engine(name, model, eos, pad, device, setup)
 
                 def call(n, engine=engine):
                     done = engine.generate(rows, keys, Sampling(n))

@@ -114,10 +114,11 @@ GRPO_RECIPE = REPO / "recipes" / "grpo.py"
 
 
 def recipe_vs_trl(ctx: Ctx, name: str, recipe: Path, shape: Path, driver: str, steps: int, warmup: int,
-                  window: int, overrides: list[str] | None = None) -> tuple[list[tuple], Path, int, int]:
+                  window: int, changes: dict | None = None) -> tuple[list[tuple], Path, int, int]:
     """`recipe` and TRL (bench/<driver>, TRL's venv) from one random model directory of llama-32k's shape, ddp,
     2 ranks, --pairs alternating pairs: [(recipe, TRL)] with each side's rate, per-step counts, peak memory and
-    fastest `window`-step rate after `warmup` steps; and the config both read."""
+    fastest `window`-step rate after `warmup` steps; and the config both read (`shape` with `changes`, e.g.
+    {"grpo": {"max_completion_length": 256}}, applied)."""
     pairs = 1 if ctx.quick else ctx.pairs
     work = ctx.dir(name)
     bindir = trl_python(ctx)
@@ -125,13 +126,13 @@ def recipe_vs_trl(ctx: Ctx, name: str, recipe: Path, shape: Path, driver: str, s
     model_shape = yaml.safe_load(SHAPE_32K.read_text())["model"]["config"]
     run([sys.executable, BENCH / "memory_probe.py", "--export", model_dir, "--shape", json.dumps(model_shape)],
         TIMEOUT)
-    cfg = write_config(work / f"{name}.yaml", shape, {"model": {"path": str(model_dir)}})
+    cfg = write_config(work / f"{name}.yaml", shape, {**(changes or {}), "model": {"path": str(model_dir)}})
     data = yaml.safe_load(cfg.read_text())["data"]["path"]
 
     def run_recipe(i: int) -> dict:
         out = work / f"recipe_{i}"
         torchrun([recipe, "--config", cfg, f"output_dir={out}", f"train.max_steps={steps}", "log.every_steps=1",
-                  "log.progress=false", "checkpoint.resume=never", *(overrides or [])], timeout=TIMEOUT,
+                  "log.progress=false", "checkpoint.resume=never"], timeout=TIMEOUT,
                  log=work / f"recipe_{i}.log")
         records = train_records(out)
         rate, _, _ = useful_tokens_per_sec(records, warmup)
