@@ -12,8 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers import forkserver
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
+_server: forkserver.Server | None = None  # started by the first start(fork=True)
 
 
 class TimedOut(RuntimeError):
@@ -43,11 +46,31 @@ def command(args: list, nproc: int = 1, torchrun: bool | None = None,
     return [sys.executable, *map(str, args)]
 
 
-def start(cmd: list, extra_env: dict | None = None, merge_stderr: bool = False) -> subprocess.Popen:
-    """Start cmd from the repository root in a new process group (session), text output piped."""
-    return subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env(extra_env), stdout=subprocess.PIPE,
+def start(cmd: list, extra_env: dict | None = None, merge_stderr: bool = False, fork: bool = False) -> subprocess.Popen:
+    """Start cmd from the repository root in a new process group (session), text output piped. fork: a plain
+    python command of llmtrain's own (a recipe, `-m llmtrain.X`; not a script that must run without it) whose
+    environment is the fork server's runs as its child (helpers/forkserver.py)."""
+    global _server
+    cmd = [str(c) for c in cmd]
+    if fork and not extra_env and _ours(cmd):
+        if _server is not None and not _server.imported_under(env()):  # a test changed this process's environment
+            _server.stop()
+            _server = None
+        if _server is None:
+            _server = forkserver.Server(str(REPO), env())
+        return _server.start(cmd[1:], env(), merge_stderr)
+    return subprocess.Popen(cmd, cwd=REPO, env=env(extra_env), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE, text=True,
                             start_new_session=True)
+
+
+def _ours(cmd: list[str]) -> bool:
+    """`python recipes/X.py ...` or `python -m llmtrain.X ...`."""
+    if len(cmd) < 2 or cmd[0] != sys.executable:
+        return False
+    if cmd[1] == "-m":
+        return len(cmd) > 2 and cmd[2].startswith("llmtrain.")
+    return Path(cmd[1]).resolve().parent == REPO / "recipes"
 
 
 def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:

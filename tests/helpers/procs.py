@@ -30,7 +30,7 @@ def start(args: list[str], nproc: int = 1, env: dict | None = None, torchrun: bo
     in its own process group (so a timeout can kill everything it started)."""
     if not running_slow_test:
         pytest.fail("this test starts processes: mark it @pytest.mark.slow (make test-fast runs none)")
-    return launcher.start(launcher.command(args, nproc, torchrun, torchrun_args), env)
+    return launcher.start(launcher.command(args, nproc, torchrun, torchrun_args), env, fork=True)
 
 
 def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:

@@ -1,0 +1,233 @@
+"""A one-process launch without the ~3.5 s of CPU its imports cost (torch, transformers, llmtrain): a server,
+started once per test process, imports them and then forks a child per launch that runs the script or module
+as `python` would (`__main__`, its argv, sys.path[0], its exit code, atexit). Used by helpers/launcher.py for a
+plain-python launch of llmtrain's own (a recipe, `-m llmtrain.X`) under the environment the server imported
+under (anything an import reads at start-up, e.g. HF_DATASETS_CACHE, would be stale otherwise: a test that
+changed it gets a new server), never for torchrun; tests/test_features.py checks that a forked run
+equals a fresh one. The child gets its own session (a timeout kills its group, as for a fresh process) and
+output pipes created by the caller (passed over the server's Unix socket); a monitor process between them
+reports its pid, then its exit status.
+
+    python tests/helpers/forkserver.py SOCKET      # the server (launcher.py starts it)
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import runpy
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+VOLATILE = ("PYTEST_CURRENT_TEST",)
+PRELOAD = ("torch", "transformers", "llmtrain.recipes", "llmtrain.recipes.sft", "llmtrain.recipes.dpo",
+           "llmtrain.recipes.grpo", "llmtrain.recipes.distill")
+
+
+def serve(path: str) -> None:
+    """Import PRELOAD, then fork a monitor per request: {"argv": [script or -m module, args...], "cwd": ...,
+    "env": {...}} with two descriptors (stdout, stderr) passed along."""
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # monitors are reaped by the kernel
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen(16)
+    listener.settimeout(5)
+    client = os.getppid()
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            if os.getppid() != client:  # the test process is gone (killed: its atexit never ran)
+                return
+            continue
+        conn.settimeout(None)
+        raw, fds, _, _ = socket.recv_fds(conn, 1 << 20, 2)
+        if os.fork() == 0:
+            listener.close()
+            monitor(conn, json.loads(raw), fds)
+        conn.close()
+        for fd in fds:  # the child's copies only: a pipe reaches EOF when the child and its own children close it
+            os.close(fd)
+
+
+def monitor(conn: socket.socket, request: dict, fds: list[int]) -> None:
+    """Fork the run, send its pid, wait for it, send its exit status (negative: killed by that signal)."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    pid = os.fork()
+    if pid == 0:
+        conn.close()
+        run(request, fds)
+    for fd in fds:
+        os.close(fd)
+    conn.sendall(f"{pid}\n".encode())
+    _, status = os.waitpid(pid, 0)
+    conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+    os._exit(0)
+
+
+def run(request: dict, fds: list[int]) -> None:
+    """What `python SCRIPT ARGS` or `python -m MODULE ARGS` does, in this already-importing process."""
+    os.setsid()
+    os.dup2(fds[0], 1)
+    os.dup2(fds[1], 2)
+    for fd in fds:
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    argv = request["argv"]
+    code = 0
+    try:
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            sys.path[0] = request["cwd"]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:  # noqa: BLE001 (what the interpreter does with an uncaught exception)
+        traceback.print_exc()
+        code = 1
+    try:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+def _without(environ: dict, keys: tuple[str, ...]) -> dict:
+    return {k: v for k, v in environ.items() if k not in keys}
+
+
+class Server:
+    """The client's side: the server process, started on first use, and the environment it imported under."""
+
+    def __init__(self, cwd: str, environ: dict):
+        self.path = os.path.join(tempfile.mkdtemp(prefix="llmtrain-fork-"), "socket")
+        self.cwd, self.environ = cwd, environ
+        self.log = open(self.path + ".log", "w")  # the server writes here as long as it runs
+        self.proc = subprocess.Popen([sys.executable, __file__, self.path], cwd=cwd, env=environ,
+                                     stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log, start_new_session=True)
+        atexit.register(self.stop)
+        deadline = time.monotonic() + 120
+        while not os.path.exists(self.path):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the fork server did not start (its log: {self.path}.log)")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
+
+    def imported_under(self, environ: dict) -> bool:
+        """Whether the server imported under `environ` (what imports read at start-up would be stale otherwise);
+        pytest's PYTEST_CURRENT_TEST, which changes with every test and is read by none, aside."""
+        return _without(environ, VOLATILE) == _without(self.environ, VOLATILE)
+
+    def start(self, argv: list[str], environ: dict, merge_stderr: bool) -> Forked:
+        """Run `python *argv` with `environ` as a child of the server; its output comes back through pipes made
+        here."""
+        out_r, out_w = os.pipe()
+        err_r, err_w = (None, out_w) if merge_stderr else os.pipe()
+        conn = socket.socket(socket.AF_UNIX)
+        conn.connect(self.path)
+        socket.send_fds(conn, [json.dumps({"argv": argv, "cwd": self.cwd, "env": environ}).encode()], [out_w, err_w])
+        os.close(out_w)
+        if err_r is not None:
+            os.close(err_w)
+        return Forked([sys.executable, *argv], conn, open(out_r), None if err_r is None else open(err_r))
+
+
+class Forked:
+    """What the tests use of a subprocess.Popen (pid, args, stdout, stderr, returncode, poll, wait, communicate,
+    send_signal, terminate, kill), for a child of the fork server."""
+
+    def __init__(self, args: list[str], conn: socket.socket, stdout, stderr):
+        self.args, self.stdout, self.stderr, self.returncode = args, stdout, stderr, None
+        self._conn, self._buffer, self._readers, self._output = conn, b"", None, None
+        self.pid = int(self._line(None))
+
+    def _line(self, timeout: float | None) -> str | None:
+        """The server's next line (the pid, then the exit status), None if none came within timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._buffer:
+            self._conn.settimeout(None if deadline is None else max(deadline - time.monotonic(), 0))
+            try:
+                chunk = self._conn.recv(64)
+            except (TimeoutError, BlockingIOError):
+                return None
+            if not chunk:
+                raise RuntimeError(f"the fork server's monitor of {self.args} went away")
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line.decode()
+
+    def poll(self) -> int | None:
+        if self.returncode is None and (line := self._line(0)) is not None:
+            self.returncode = int(line)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            line = self._line(timeout)
+            if line is None:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self.returncode = int(line)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str | None]:
+        """Read both pipes to their end and wait for the exit, as Popen.communicate (TimeoutExpired: call again)."""
+        if self._readers is None:
+            self._output = {"out": [], "err": []}
+            self._readers = [threading.Thread(target=lambda f=f, key=key: self._output[key].append(f.read()),
+                                              daemon=True)
+                             for key, f in (("out", self.stdout), ("err", self.stderr)) if f is not None]
+            for reader in self._readers:
+                reader.start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for reader in self._readers:
+            reader.join(None if deadline is None else max(deadline - time.monotonic(), 0))
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait(None if deadline is None else max(deadline - time.monotonic(), 0))
+        for f in (self.stdout, self.stderr):
+            if f is not None:
+                f.close()
+        return "".join(self._output["out"]), None if self.stderr is None else "".join(self._output["err"])
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
