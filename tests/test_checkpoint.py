@@ -176,7 +176,7 @@ def test_resume_path_must_be_a_complete_checkpoint(tmp_path, run_setup):
 @pytest.mark.slow
 def test_killed_rank_ends_the_job_quickly(tmp_path):
     proc = start([RECIPE, "--config", TINY, f"output_dir={tmp_path}", "parallel.strategy=ddp",
-                  "train.micro_batch_size=2", "train.max_steps=100000"], nproc=2)
+                  "train.micro_batch_size=2", "train.max_steps=100000"], nproc=2, torchrun=True)
     wait_for_step(tmp_path, 2, proc)
     killed = time.monotonic()
     os.kill(worker_pids(proc.pid)[1], signal.SIGKILL)
@@ -217,7 +217,7 @@ def test_preemption_signal_saves_and_exits_for_requeue(tmp_path, clean_40, sig):
     """The signal reaches one rank only (the worst case): all ranks agree, save, exit with code 42.
     The requeued run (SIGUSR1 case) resumes and matches the uninterrupted losses."""
     proc = start([RECIPE, "--config", TINY, f"output_dir={tmp_path}", "train.max_steps=100000", *RESTARTABLE],
-                 nproc=2)
+                 nproc=2, torchrun=True)
     wait_for_step(tmp_path, 2, proc)
     os.kill(worker_pids(proc.pid)[1], sig)
     res = finish(proc, timeout=120)
@@ -295,9 +295,9 @@ def test_corrupt_checkpoints_are_skipped_kept_and_named(tmp_path, fsdp2_run):
     shutil.copytree(fsdp2_run / "checkpoints" / "step_6", explicit)
     (explicit / "rng_rank0.json").write_text((explicit / "rng_rank0.json").read_text().replace("A", "B", 1))
     two = ("parallel.strategy=fsdp2", "train.micro_batch_size=2", *SIX)
-    auto = start([RECIPE, "--config", TINY, f"output_dir={tmp_path / 'auto'}", *two], nproc=2)
+    auto = start([RECIPE, "--config", TINY, f"output_dir={tmp_path / 'auto'}", *two], nproc=2, torchrun=True)
     bad = start([RECIPE, "--config", TINY, f"output_dir={tmp_path / 'other'}", f"checkpoint.resume={explicit}", *two],
-                nproc=2)
+                nproc=2, torchrun=True)
     res = finish(bad, timeout=240)
     assert re.search(r"exitcode\s*:\s*2", res.stderr), res.stderr[-3000:]
     refused = f"error: checkpoint.resume: {explicit} fails verification: rng_rank0.json has changed since it was saved"

@@ -102,7 +102,7 @@ def test_incomplete_weights_are_named_on_every_rank(tmp_path):
     LlamaConfig(**yaml.safe_load(TINY.read_text())["model"]["config"], vocab_size=512).save_pretrained(model_dir)
     save_file({"model.norm.weight": torch.ones(32)}, model_dir / "model.safetensors")
     res = launch([RECIPE, "--config", TINY, f"output_dir={tmp_path / 'out'}", "model.config=null",
-                  f"model.path={model_dir}", "parallel.strategy=fsdp"], nproc=2, timeout=90)
+                  f"model.path={model_dir}", "parallel.strategy=fsdp"], nproc=2, timeout=90, torchrun=True)
     assert res.returncode != 0
     for w in ("model.embed_tokens.weight", "is this a llama checkpoint?"):
         assert w in res.stderr, res.stderr[-2000:]

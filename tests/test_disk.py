@@ -110,7 +110,8 @@ def test_final_export_on_a_full_disk_ends_with_the_same_clear_error_on_every_ran
     out = small_fs / "out"
     out.mkdir()
     fill(small_fs, leave_mib=3)
-    res = run_recipe(out, *TWO_RANKS, *BIGGER, "checkpoint.export_wait_minutes=0.05", nproc=2, check=False)
+    res = run_recipe(out, *TWO_RANKS, *BIGGER, "checkpoint.export_wait_minutes=0.05", nproc=2, check=False,
+                     torchrun=True)
     assert res.returncode == 1
     assert f"warning: output_dir {out} has 3.0 MiB free, but the run writes the export about 5.0 MiB" in res.stdout
     line = first_error(res.stderr)

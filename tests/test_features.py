@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 
 import pytest
 from safetensors.torch import load_file
 
 from helpers import RECIPE, REPO, TINY, forkserver, launcher
-from helpers.procs import launch, losses, run_recipe
+from helpers.procs import TWO_RANKS, launch, losses, run_recipe
 from helpers.runs import Run
 
 TOL = 2e-5
@@ -47,24 +46,26 @@ def test_plain_python_without_torchrun_is_the_same_run(tmp_path, reference):
 
 
 @pytest.mark.slow
-def test_a_run_forked_by_the_tests_fork_server_is_a_fresh_processs(tmp_path, reference):
-    """The tests' plain-python launches run as children of helpers/forkserver.py (imports done once): the same
-    losses, bit for bit, as `python recipes/finetune.py` in a fresh interpreter (the reference run was forked);
-    the same output and exit status for a bad key and for an uncaught exception."""
-    fresh = launcher.start(launcher.command([RECIPE, "--config", TINY, f"output_dir={tmp_path}",
+def test_a_run_forked_by_the_tests_fork_server_is_a_fresh_processs(tmp_path, reference, two_rank_losses):
+    """The tests' launches of llmtrain's entry points run as children of helpers/forkserver.py (imports done
+    once; several ranks without torchrun's agent): the same losses, bit for bit, as `python recipes/finetune.py`
+    in a fresh interpreter and as torchrun's 2 ranks (the shared reference and 2-rank runs were forked); the same
+    output and exit status for a bad key."""
+    fresh = launcher.start(launcher.command([RECIPE, "--config", TINY, f"output_dir={tmp_path / 'one'}",
                                              "parallel.strategy=none"]))
     assert isinstance(fresh, launcher.subprocess.Popen)
     res = launcher.finish(fresh, 240)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert losses(tmp_path) == reference
-    other = launcher.start([sys.executable, "-c", "raise SystemExit(3)"], fork=True)  # not llmtrain's: not forked
+    assert losses(tmp_path / "one") == reference
+    run_recipe(tmp_path / "two", *TWO_RANKS, nproc=2, torchrun=True)
+    assert losses(tmp_path / "two") == two_rank_losses
+    other = launcher.spawn(["-c", "raise SystemExit(3)"])  # not llmtrain's: a fresh process
     assert isinstance(other, launcher.subprocess.Popen) and launcher.finish(other, 60).returncode == 3
     for argv, code in (([RECIPE, "--config", TINY, "train.lrr=1"], 2),
                        (["-m", "llmtrain.convert", str(tmp_path / "missing"), str(tmp_path / "out")], 2)):
-        cmd = launcher.command(argv)
-        forked = launcher.start(cmd, fork=True)
+        forked = launcher.spawn(argv)
         assert isinstance(forked, forkserver.Forked)
-        a, b = launcher.finish(launcher.start(cmd), 60), launcher.finish(forked, 60)
+        a, b = launcher.finish(launcher.start(launcher.command(argv)), 60), launcher.finish(forked, 60)
         assert (b.returncode, b.stdout, b.stderr) == (a.returncode, a.stdout, a.stderr)
         assert a.returncode == code, a.stderr
 

@@ -73,7 +73,7 @@ def test_second_run_exits_2_touching_nothing_and_a_killed_runs_lock_is_taken_ove
     config = (tmp_path / "config.yaml").read_text()
     t0 = time.monotonic()
     second = finish(start([RECIPE, "--config", TINY, f"output_dir={tmp_path}", "train.lr=0.5",
-                           "parallel.strategy=ddp", "train.micro_batch_size=2"], nproc=2), timeout=120)
+                           "parallel.strategy=ddp", "train.micro_batch_size=2"], nproc=2, torchrun=True), timeout=120)
     assert time.monotonic() - t0 < 90
     # Both ranks refuse alike: one console line (torchrun's report repeats it as each rank's cause).
     assert len(re.findall(rf"(?m)^error: output_dir {tmp_path} is in use by another run: host \S+, pid "

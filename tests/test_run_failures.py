@@ -100,7 +100,7 @@ def test_max_steps_below_the_resumed_checkpoint_is_refused(tmp_path):
         "and never reaches it; set train.warmup_steps<=4 for the full schedule"]
     assert read_metrics(out)[-1]["lr"] == pytest.approx(1e-3 * 4 / 200)
     before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".llmtrain.lock"}
-    res = run_recipe(out, *args, "train.max_steps=3", nproc=2, check=False)
+    res = run_recipe(out, *args, "train.max_steps=3", nproc=2, check=False, torchrun=True)
     ck = out / "checkpoints"
     assert lines(res.stderr, "error") == [
         f"error: train.max_steps=3 is below the step of the checkpoint it resumes from ({ck / 'step_4'}, step 4): it "
@@ -118,7 +118,7 @@ def test_a_killed_rank_is_named_with_the_newest_checkpoint(tmp_path):
     """Rank 1 is SIGKILLed mid-run: rank 0's one line says it lost its connection to rank 1, how rank 1 ended,
     where, and which checkpoint a rerun resumes from; gloo's raw text stays in errors-rank0.log."""
     proc = start_recipe(tmp_path, *TWO_RANKS, "parallel.strategy=ddp", "train.max_steps=100000",
-                        "checkpoint.every_steps=2", nproc=2)
+                        "checkpoint.every_steps=2", nproc=2, torchrun=True)
     wait_for_step(tmp_path, 3, proc)
     os.kill(worker_pids(proc.pid)[1], signal.SIGKILL)
     res = finish(proc, timeout=90)

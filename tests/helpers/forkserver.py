@@ -1,12 +1,15 @@
-"""A one-process launch without the ~3.5 s of CPU its imports cost (torch, transformers, llmtrain): a server,
-started once per test process, imports them and then forks a child per launch that runs the script or module
-as `python` would (`__main__`, its argv, sys.path[0], its exit code, atexit). Used by helpers/launcher.py for a
-plain-python launch of llmtrain's own (a recipe, `-m llmtrain.X`) under the environment the server imported
+"""Launches of llmtrain's entry points without the ~3.5 s of CPU each process's imports cost (torch,
+transformers, llmtrain): a server, started once per test process, imports them and then forks a child per
+launch that runs the script or module as `python` would (`__main__`, its argv, sys.path[0], environment, exit
+code, atexit), or nproc of them as the ranks torchrun --standalone would start (RANK, WORLD_SIZE, MASTER_ADDR,
+... ; no agent: the monitor process between server and ranks stops the others once one fails and reports 1, as
+torchrun does, and passes SIGTERM / SIGINT on). helpers/launcher.py's spawn uses it for a recipe or `-m
+llmtrain.X` launched with torchrun=None and no extra environment, under the environment the server imported
 under (anything an import reads at start-up, e.g. HF_DATASETS_CACHE, would be stale otherwise: a test that
-changed it gets a new server), never for torchrun; tests/test_features.py checks that a forked run
-equals a fresh one. The child gets its own session (a timeout kills its group, as for a fresh process) and
-output pipes created by the caller (passed over the server's Unix socket); a monitor process between them
-reports its pid, then its exit status.
+changed it gets a new server); a test of torchrun's own part asks for torchrun=True. tests/test_features.py
+checks that a forked run equals a fresh process and torchrun's ranks. The run (one process) or the monitor
+(ranks) leads a session of its own (a timeout kills the group, as for a fresh process); output goes to pipes
+created by the caller, passed over the server's Unix socket.
 
     python tests/helpers/forkserver.py SOCKET      # the server (launcher.py starts it)
 """
@@ -63,23 +66,53 @@ def serve(path: str) -> None:
 
 
 def monitor(conn: socket.socket, request: dict, fds: list[int]) -> None:
-    """Fork the run, send its pid, wait for it, send its exit status (negative: killed by that signal)."""
+    """Fork the run (request["nproc"] ranks), send the pid to signal and wait on, then the exit status.
+    One process: its own pid and session, its exit status (negative: killed by that signal). Several ranks: the
+    monitor leads their session (its pid is sent), passes SIGTERM / SIGINT on to them, stops the others once one
+    fails (as torchrun's agent does) and reports 1 if any failed, else 0."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    pid = os.fork()
-    if pid == 0:
-        conn.close()
-        run(request, fds)
+    nproc = request["nproc"]
+    if nproc > 1:
+        os.setsid()
+    pids = []
+    for rank in range(nproc):
+        pid = os.fork()
+        if pid == 0:
+            conn.close()
+            run(request, fds, rank if nproc > 1 else None)
+        pids.append(pid)
     for fd in fds:
         os.close(fd)
-    conn.sendall(f"{pid}\n".encode())
-    _, status = os.waitpid(pid, 0)
-    conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+    if nproc == 1:
+        conn.sendall(f"{pids[0]}\n".encode())
+        _, status = os.waitpid(pids[0], 0)
+        conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+        os._exit(0)
+    running = set(pids)
+
+    def forward(signum, frame):
+        for p in running:
+            os.kill(p, signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    conn.sendall(f"{os.getpid()}\n".encode())
+    failed = False
+    while running:
+        pid, status = os.wait()
+        running.discard(pid)
+        if os.waitstatus_to_exitcode(status) != 0 and not failed:
+            failed = True
+            forward(signal.SIGTERM, None)
+    conn.sendall(f"{int(failed)}\n".encode())
     os._exit(0)
 
 
-def run(request: dict, fds: list[int]) -> None:
-    """What `python SCRIPT ARGS` or `python -m MODULE ARGS` does, in this already-importing process."""
-    os.setsid()
+def run(request: dict, fds: list[int], rank: int | None) -> None:
+    """What `python SCRIPT ARGS` or `python -m MODULE ARGS` does, in this already-importing process; as `rank`
+    of request["nproc"] with the variables torchrun --standalone sets (None: one process, its own session)."""
+    if rank is None:
+        os.setsid()
     os.dup2(fds[0], 1)
     os.dup2(fds[1], 2)
     for fd in fds:
@@ -87,6 +120,12 @@ def run(request: dict, fds: list[int]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    if rank is not None:
+        n = str(request["nproc"])
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
+                          WORLD_SIZE=n, LOCAL_WORLD_SIZE=n, ROLE_WORLD_SIZE=n, GROUP_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(request["port"]), TORCHELASTIC_RESTART_COUNT="0",
+                          TORCHELASTIC_MAX_RESTARTS="0")
     argv = request["argv"]
     code = 0
     try:
@@ -113,6 +152,12 @@ def run(request: dict, fds: list[int]) -> None:
         sys.stderr.flush()
     finally:
         os._exit(code)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _without(environ: dict, keys: tuple[str, ...]) -> dict:
@@ -147,14 +192,15 @@ class Server:
         pytest's PYTEST_CURRENT_TEST, which changes with every test and is read by none, aside."""
         return _without(environ, VOLATILE) == _without(self.environ, VOLATILE)
 
-    def start(self, argv: list[str], environ: dict, merge_stderr: bool) -> Forked:
-        """Run `python *argv` with `environ` as a child of the server; its output comes back through pipes made
-        here."""
+    def start(self, argv: list[str], environ: dict, merge_stderr: bool, nproc: int = 1) -> Forked:
+        """Run `python *argv` with `environ` as a child of the server (nproc: ranks, as torchrun --standalone
+        would start them); its output comes back through pipes made here."""
         out_r, out_w = os.pipe()
         err_r, err_w = (None, out_w) if merge_stderr else os.pipe()
         conn = socket.socket(socket.AF_UNIX)
         conn.connect(self.path)
-        socket.send_fds(conn, [json.dumps({"argv": argv, "cwd": self.cwd, "env": environ}).encode()], [out_w, err_w])
+        socket.send_fds(conn, [json.dumps({"argv": argv, "cwd": self.cwd, "env": environ, "nproc": nproc,
+                                                       "port": free_port()}).encode()], [out_w, err_w])
         os.close(out_w)
         if err_r is not None:
             os.close(err_w)
@@ -179,8 +225,8 @@ class Forked:
                 chunk = self._conn.recv(64)
             except (TimeoutError, BlockingIOError):
                 return None
-            if not chunk:
-                raise RuntimeError(f"the fork server's monitor of {self.args} went away")
+            if not chunk:  # the monitor was killed with its ranks' group (a timeout)
+                return str(-signal.SIGKILL)
             self._buffer += chunk
         line, self._buffer = self._buffer.split(b"\n", 1)
         return line.decode()

@@ -46,31 +46,36 @@ def command(args: list, nproc: int = 1, torchrun: bool | None = None,
     return [sys.executable, *map(str, args)]
 
 
-def start(cmd: list, extra_env: dict | None = None, merge_stderr: bool = False, fork: bool = False) -> subprocess.Popen:
-    """Start cmd from the repository root in a new process group (session), text output piped. fork: a plain
-    python command of llmtrain's own (a recipe, `-m llmtrain.X`; not a script that must run without it) whose
-    environment is the fork server's runs as its child (helpers/forkserver.py)."""
-    global _server
-    cmd = [str(c) for c in cmd]
-    if fork and not extra_env and _ours(cmd):
-        if _server is not None and not _server.imported_under(env()):  # a test changed this process's environment
-            _server.stop()
-            _server = None
-        if _server is None:
-            _server = forkserver.Server(str(REPO), env())
-        return _server.start(cmd[1:], env(), merge_stderr)
-    return subprocess.Popen(cmd, cwd=REPO, env=env(extra_env), stdout=subprocess.PIPE,
+def start(cmd: list, extra_env: dict | None = None, merge_stderr: bool = False) -> subprocess.Popen:
+    """Start cmd from the repository root in a new process group (session), text output piped."""
+    return subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env(extra_env), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE, text=True,
                             start_new_session=True)
 
 
-def _ours(cmd: list[str]) -> bool:
-    """`python recipes/X.py ...` or `python -m llmtrain.X ...`."""
-    if len(cmd) < 2 or cmd[0] != sys.executable:
-        return False
-    if cmd[1] == "-m":
-        return len(cmd) > 2 and cmd[2].startswith("llmtrain.")
-    return Path(cmd[1]).resolve().parent == REPO / "recipes"
+def spawn(args: list, nproc: int = 1, torchrun: bool | None = None, torchrun_args: tuple[str, ...] = (),
+          extra_env: dict | None = None) -> subprocess.Popen | forkserver.Forked:
+    """start(command(...)), except that llmtrain's own entry points (a recipe, `-m llmtrain.X`) launched with
+    torchrun=None, no torchrun_args and no extra environment run as children of the fork server
+    (helpers/forkserver.py): nproc ranks with torchrun --standalone's variables, without its agent and without
+    the imports each process would pay."""
+    global _server
+    argv = [str(a) for a in args]
+    if torchrun is not None or torchrun_args or extra_env or not _ours(argv):
+        return start(command(args, nproc, torchrun, torchrun_args), extra_env)
+    if _server is not None and not _server.imported_under(env()):  # a test changed this process's environment
+        _server.stop()
+        _server = None
+    if _server is None:
+        _server = forkserver.Server(str(REPO), env())
+    return _server.start(argv, env(), False, nproc)
+
+
+def _ours(argv: list[str]) -> bool:
+    """`recipes/X.py ...` or `-m llmtrain.X ...`."""
+    if argv[:1] == ["-m"]:
+        return len(argv) > 1 and argv[1].startswith("llmtrain.")
+    return bool(argv) and Path(argv[0]).resolve().parent == REPO / "recipes"
 
 
 def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
@@ -85,7 +90,7 @@ def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProces
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _kill_group(proc: subprocess.Popen | forkserver.Forked) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:  # the group is empty: nothing left behind

@@ -26,11 +26,12 @@ running_slow_test = False
 
 def start(args: list[str], nproc: int = 1, env: dict | None = None, torchrun: bool | None = None,
           torchrun_args: tuple[str, ...] = ()) -> subprocess.Popen:
-    """Start `args` (a script and its arguments) under torchrun with nproc processes, or plain python,
-    in its own process group (so a timeout can kill everything it started)."""
+    """Start `args` (a script and its arguments) under torchrun with nproc processes, or plain python, or as
+    children of the fork server (launcher.spawn), in its own process group (so a timeout can kill everything it
+    started). torchrun=True for a test of torchrun's own part (its agent, worker_pids)."""
     if not running_slow_test:
         pytest.fail("this test starts processes: mark it @pytest.mark.slow (make test-fast runs none)")
-    return launcher.start(launcher.command(args, nproc, torchrun, torchrun_args), env, fork=True)
+    return launcher.spawn(args, nproc, torchrun, torchrun_args, env)
 
 
 def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
