@@ -46,7 +46,7 @@ def test_plain_python_without_torchrun_is_the_same_run(tmp_path, reference):
 
 
 @pytest.mark.slow
-def test_a_run_forked_by_the_tests_fork_server_is_a_fresh_processs(tmp_path, reference, two_rank_losses):
+def test_a_run_forked_by_the_tests_fork_server_is_a_fresh_process(tmp_path, reference, two_rank_losses):
     """The tests' launches of llmtrain's entry points run as children of helpers/forkserver.py (imports done
     once; several ranks without torchrun's agent): the same losses, bit for bit, as `python recipes/finetune.py`
     in a fresh interpreter and as torchrun's 2 ranks (the shared reference and 2-rank runs were forked); the same
