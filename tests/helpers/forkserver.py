@@ -168,7 +168,9 @@ class Server:
     """The client's side: the server process, started on first use, and the environment it imported under."""
 
     def __init__(self, cwd: str, environ: dict):
-        self.path = os.path.join(tempfile.mkdtemp(prefix="llmtrain-fork-"), "socket")
+        # A Unix socket's path has at most ~107 bytes: under /tmp, whatever TMPDIR is
+        short = "/tmp" if os.path.isdir("/tmp") else None
+        self.path = os.path.join(tempfile.mkdtemp(prefix="llmtrain-fork-", dir=short), "socket")
         self.cwd, self.environ = cwd, environ
         self.log = open(self.path + ".log", "w")  # the server writes here as long as it runs
         self.proc = subprocess.Popen([sys.executable, __file__, self.path], cwd=cwd, env=environ,

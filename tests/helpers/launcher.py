@@ -16,7 +16,8 @@ from helpers import forkserver
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-_server: forkserver.Server | None = None  # started by the first start(fork=True)
+_server: forkserver.Server | None = None  # started by the first spawn that can use it
+_no_server: list[str] = []  # why the fork server could not start (then every launch starts a fresh process)
 
 
 class TimedOut(RuntimeError):
@@ -61,13 +62,19 @@ def spawn(args: list, nproc: int = 1, torchrun: bool | None = None, torchrun_arg
     the imports each process would pay."""
     global _server
     argv = [str(a) for a in args]
-    if torchrun is not None or torchrun_args or extra_env or not _ours(argv):
+    if torchrun is not None or torchrun_args or extra_env or not _ours(argv) or _no_server:
         return start(command(args, nproc, torchrun, torchrun_args), extra_env)
     if _server is not None and not _server.imported_under(env()):  # a test changed this process's environment
         _server.stop()
         _server = None
     if _server is None:
-        _server = forkserver.Server(str(REPO), env())
+        try:
+            _server = forkserver.Server(str(REPO), env())
+        except (OSError, RuntimeError) as e:  # e.g. a socket path too long under this TMPDIR: slower, not wrong
+            _no_server.append(str(e))
+            print(f"warning: tests/helpers/forkserver.py did not start ({e}); launches start fresh processes",
+                  file=sys.stderr)
+            return start(command(args, nproc, torchrun, torchrun_args), extra_env)
     return _server.start(argv, env(), False, nproc)
 
 
