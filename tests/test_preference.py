@@ -16,7 +16,7 @@ from llmtrain.config import ConfigError, DataConfig, load_config
 from llmtrain.data.formats import DEFAULT_CHAT_TEMPLATE, IGNORE, BadRecord, prepare_tokenizer
 from llmtrain.data.preference import Pair, collate_pairs, encode_preference, truncate
 from llmtrain.losses import preference as pl
-from llmtrain.recipes import dpo
+from llmtrain.recipes import RECIPES
 
 TOKENIZER = REPO / "assets" / "tokenizer"
 BOS, EOS, EOT = 0, 1, 5
@@ -271,12 +271,12 @@ def test_any_split_gives_the_loss_metrics_and_gradients_of_the_whole_batch(tok, 
 
 def test_loss_settings_are_checked_naming_the_key():
     """Combinations of dpo.* keys; each key's range is load_config's (tests/test_config.py)."""
-    dpo.check("simpo", 0.1, 0.5, False)
-    dpo.check("ipo", 0.0, 0.0, True)
+    pl.check_settings("simpo", 0.1, 0.5, False)
+    pl.check_settings("ipo", 0.0, 0.0, True)
     with pytest.raises(ConfigError, match="dpo.loss"):  # a choice of the Literal: load_config's
-        load_config(TINY, ["dpo.loss=dpo"], dpo.DPOConfig)
+        load_config(TINY, ["dpo.loss=dpo"], RECIPES["dpo"].config_cls)
     for args, key in [(("ipo", 0.1, 0.0), "dpo.label_smoothing"), (("sigmoid", 0.0, 0.5), "dpo.gamma")]:
         with pytest.raises(ConfigError, match=key):
-            dpo.check(*args, False)
+            pl.check_settings(*args, False)
     with pytest.raises(ConfigError, match="dpo.precompute_reference"):  # simpo has no reference
-        dpo.check("simpo", 0.0, 0.0, True)
+        pl.check_settings("simpo", 0.0, 0.0, True)

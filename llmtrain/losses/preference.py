@@ -23,10 +23,23 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from llmtrain.config import ConfigError
 from llmtrain.data.formats import IGNORE
 from llmtrain.losses.token import next_token_targets, token_logps, validation_sums  # noqa: F401  (token_logps: from full logits, here too)
 
 REFERENCE_FREE = {"simpo"}
+
+
+def check_settings(loss: str, label_smoothing: float, gamma: float, precompute_reference: bool) -> None:
+    """Set-up checks across the dpo.* keys of these losses (each key's own range is load_config's: the recipe's
+    DPOSection's ranged fields)."""
+    if label_smoothing and loss == "ipo":
+        raise ConfigError("dpo.label_smoothing applies to dpo.loss=sigmoid or simpo, not ipo")
+    if gamma and loss != "simpo":
+        raise ConfigError("dpo.gamma (the target reward margin) applies to dpo.loss=simpo only")
+    if precompute_reference and loss in REFERENCE_FREE:
+        raise ConfigError(f"dpo.precompute_reference: dpo.loss={loss} uses no reference model, so there is nothing "
+                          "to precompute; set dpo.precompute_reference=false")
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
 

@@ -61,17 +61,6 @@ class DPOConfig(Config):
     dpo: DPOSection = field(default_factory=DPOSection)
 
 
-def check(loss: str, label_smoothing: float, gamma: float, precompute_reference: bool) -> None:
-    """Set-up checks across dpo.* keys (each key's own range is load_config's: DPOSection's ranged fields)."""
-    if label_smoothing and loss == "ipo":
-        raise ConfigError("dpo.label_smoothing applies to dpo.loss=sigmoid or simpo, not ipo")
-    if gamma and loss != "simpo":
-        raise ConfigError("dpo.gamma (the target reward margin) applies to dpo.loss=simpo only")
-    if precompute_reference and loss in pl.REFERENCE_FREE:
-        raise ConfigError(f"dpo.precompute_reference: dpo.loss={loss} uses no reference model, so there is nothing "
-                          "to precompute; set dpo.precompute_reference=false")
-
-
 def pair_logps(model: torch.nn.Module, token_loss, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward over chosen and rejected rows -> (summed log-prob, trained tokens) per row, in fp32; with
     train.loss_impl=chunked no [rows x seq x vocab] logits exist."""
@@ -88,7 +77,7 @@ class DPO(Recipe):
     def check(self, cfg: DPOConfig) -> None:
         self.check_existing_model(cfg, "configs/demo-dpo.yaml")
         d = cfg.dpo
-        check(d.loss, d.label_smoothing, d.gamma, d.precompute_reference)
+        pl.check_settings(d.loss, d.label_smoothing, d.gamma, d.precompute_reference)
         if d.precompute_reference and cfg.eval.every_steps:
             raise ConfigError("dpo.precompute_reference covers the training pairs only, and eval.every_steps "
                               "scores the validation pairs with the reference; set eval.every_steps=0 or "
