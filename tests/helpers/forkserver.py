@@ -194,19 +194,19 @@ class Server:
         pytest's PYTEST_CURRENT_TEST, which changes with every test and is read by none, aside."""
         return _without(environ, VOLATILE) == _without(self.environ, VOLATILE)
 
-    def start(self, argv: list[str], environ: dict, merge_stderr: bool, nproc: int = 1) -> Forked:
+    def start(self, argv: list[str], environ: dict, nproc: int = 1) -> Forked:
         """Run `python *argv` with `environ` as a child of the server (nproc: ranks, as torchrun --standalone
         would start them); its output comes back through pipes made here."""
         out_r, out_w = os.pipe()
-        err_r, err_w = (None, out_w) if merge_stderr else os.pipe()
+        err_r, err_w = os.pipe()
         conn = socket.socket(socket.AF_UNIX)
         conn.connect(self.path)
-        socket.send_fds(conn, [json.dumps({"argv": argv, "cwd": self.cwd, "env": environ, "nproc": nproc,
-                                                       "port": free_port()}).encode()], [out_w, err_w])
+        request = {"argv": argv, "cwd": self.cwd, "env": environ, "nproc": nproc,
+                   "port": free_port() if nproc > 1 else None}
+        socket.send_fds(conn, [json.dumps(request).encode()], [out_w, err_w])
         os.close(out_w)
-        if err_r is not None:
-            os.close(err_w)
-        return Forked([sys.executable, *argv], conn, open(out_r), None if err_r is None else open(err_r))
+        os.close(err_w)
+        return Forked([sys.executable, *argv], conn, open(out_r), open(err_r))
 
 
 class Forked:
@@ -246,13 +246,13 @@ class Forked:
             self.returncode = int(line)
         return self.returncode
 
-    def communicate(self, timeout: float | None = None) -> tuple[str, str | None]:
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
         """Read both pipes to their end and wait for the exit, as Popen.communicate (TimeoutExpired: call again)."""
         if self._readers is None:
             self._output = {"out": [], "err": []}
             self._readers = [threading.Thread(target=lambda f=f, key=key: self._output[key].append(f.read()),
                                               daemon=True)
-                             for key, f in (("out", self.stdout), ("err", self.stderr)) if f is not None]
+                             for key, f in (("out", self.stdout), ("err", self.stderr))]
             for reader in self._readers:
                 reader.start()
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -261,10 +261,9 @@ class Forked:
             if reader.is_alive():
                 raise subprocess.TimeoutExpired(self.args, timeout)
         self.wait(None if deadline is None else max(deadline - time.monotonic(), 0))
-        for f in (self.stdout, self.stderr):
-            if f is not None:
-                f.close()
-        return "".join(self._output["out"]), None if self.stderr is None else "".join(self._output["err"])
+        self.stdout.close()
+        self.stderr.close()
+        return "".join(self._output["out"]), "".join(self._output["err"])
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:

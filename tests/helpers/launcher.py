@@ -1,8 +1,9 @@
-"""The one way the tests and the benchmarks start a process: torchrun --standalone (or plain python) from the
-repository root, in its own process group, with one thread per process, offline and unbuffered; finished
-within a hard limit, after which (or once the process is done) the whole group is killed, so a hung collective
-or an orphaned worker never outlives its caller. tests/helpers/procs.py turns a timeout into a failed test,
-bench/common.py into a BenchError: this module imports neither pytest nor llmtrain."""
+"""The one way the tests and the benchmarks start a process: torchrun --standalone or plain python (or, for the
+tests, a child of helpers/forkserver.py: spawn) from the repository root, in its own process group, with one
+thread per process, offline and unbuffered; finished within a hard limit, after which (or once the process is
+done) the whole group is killed, so a hung collective or an orphaned worker never outlives its caller.
+tests/helpers/procs.py turns a timeout into a failed test, bench/common.py into a BenchError: this module
+imports neither pytest nor llmtrain."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from helpers import forkserver
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 _server: forkserver.Server | None = None  # started by the first spawn that can use it
-_no_server: list[str] = []  # why the fork server could not start (then every launch starts a fresh process)
+_no_server = False  # it could not start: every launch starts a fresh process
 
 
 class TimedOut(RuntimeError):
@@ -60,22 +61,28 @@ def spawn(args: list, nproc: int = 1, torchrun: bool | None = None, torchrun_arg
     torchrun=None, no torchrun_args and no extra environment run as children of the fork server
     (helpers/forkserver.py): nproc ranks with torchrun --standalone's variables, without its agent and without
     the imports each process would pay."""
-    global _server
     argv = [str(a) for a in args]
-    if torchrun is not None or torchrun_args or extra_env or not _ours(argv) or _no_server:
+    server = _fork_server() if torchrun is None and not torchrun_args and not extra_env and _ours(argv) else None
+    if server is None:
         return start(command(args, nproc, torchrun, torchrun_args), extra_env)
-    if _server is not None and not _server.imported_under(env()):  # a test changed this process's environment
+    return server.start(argv, env(), nproc)
+
+
+def _fork_server() -> forkserver.Server | None:
+    """This process's fork server, started anew if a test changed the environment since (what its imports read
+    at start-up would be stale); None if it cannot start (launches then start fresh processes: slower, not wrong)."""
+    global _server, _no_server
+    if _server is not None and not _server.imported_under(env()):
         _server.stop()
         _server = None
-    if _server is None:
+    if _server is None and not _no_server:
         try:
             _server = forkserver.Server(str(REPO), env())
-        except (OSError, RuntimeError) as e:  # e.g. a socket path too long under this TMPDIR: slower, not wrong
-            _no_server.append(str(e))
+        except (OSError, RuntimeError) as e:
+            _no_server = True
             print(f"warning: tests/helpers/forkserver.py did not start ({e}); launches start fresh processes",
                   file=sys.stderr)
-            return start(command(args, nproc, torchrun, torchrun_args), extra_env)
-    return _server.start(argv, env(), False, nproc)
+    return _server
 
 
 def _ours(argv: list[str]) -> bool:

@@ -19,7 +19,7 @@ class Run:
     nproc: int = 1
     script: Path = RECIPE
     config: Path = TINY
-    torchrun: bool | None = None  # None: torchrun for several processes (helpers/launcher.py)
+    torchrun: bool | None = None  # None: the fork server's children (helpers/launcher.py's spawn)
 
     def key(self) -> tuple:
         """What decides the run's result: the fine-tuning recipe's config resolved (so default values spelled
