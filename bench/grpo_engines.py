@@ -28,6 +28,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -105,7 +106,7 @@ def main() -> None:
     print("|---|---:|---:|---:|")
     rates = {}
     for name, runs in results.items():
-        seconds = sorted(s for s, _, _ in runs)[len(runs) // 2]
+        seconds = median(s for s, _, _ in runs)
         rates[name] = int(a.lengths.sum()) / seconds
         print(f"| {name} | {rates[name]:.0f} | {seconds:.2f} | {runs[0][2]} |")
     print(f"\ncompaction vs before: {rates['compaction'] / rates['no compaction (before)']:.2f}x generated "
@@ -146,6 +147,7 @@ def engines(model, tok, rows: list[list[int]], keys: list[tuple[int, ...]], samp
     process_group(cpu)
     setup = EngineSetup(max(map(len, rows)) + sampling.max_tokens, len(rows), SEED, torch.float32,
                         str(REPO / "outputs" / "bench-grpo-engines"), 0.5, False)
+
     def engine_call(engine):
         def call(n: int) -> tuple[list[list[int]], float]:
             out = engine.generate(rows, keys, Sampling(n))
@@ -169,13 +171,13 @@ def engines(model, tok, rows: list[list[int]], keys: list[tuple[int, ...]], samp
           f"generated tokens/s per call, order alternating:\n")
     print("| engine | " + " | ".join(f"call {i + 1}" for i in range(repeats)) + " | median | vs local |")
     print("|---|" + "---:|" * (repeats + 2))
-    local = sorted(runs["local"])[repeats // 2]
+    local = median(runs["local"])
     for name, rates in runs.items():
-        mid = sorted(rates)[repeats // 2]
+        mid = median(rates)
         print(f"| {name} | " + " | ".join(f"{x:.0f}" for x in rates) + f" | {mid:.0f} | {mid / local:.2f}x |")
     pairs = [f"{a / b:.2f}" for a, b in zip(runs["transformers"], runs["local"])]
     print(f"\ntransformers / local per call: {', '.join(pairs)}; local / transformers (median): "
-          f"{local / sorted(runs['transformers'])[repeats // 2]:.2f}x")
+          f"{local / median(runs['transformers']):.2f}x")
 
 
 if __name__ == "__main__":
