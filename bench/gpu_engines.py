@@ -148,7 +148,7 @@ def main() -> int:
             if name == "hf":
                 call = lambda n: hf_generate(model, rows, Sampling(n), eos, pad, device)  # noqa: E731
             else:
-                check_engine(name, cuda)
+                check_engine(name, cuda, None)
                 engine = pushed_engine(name, model, eos, pad, device, setup)
 
                 def call(n, engine=engine):

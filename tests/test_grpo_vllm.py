@@ -20,11 +20,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from helpers import REPO
 from helpers.engines import stale_copy_is_caught
+from helpers.vllm import PACKED, PADDED, VOCAB, FakeVLLMModel, sampled, trainer
 from llmtrain.config import ConfigError, RunError, load_config
 from llmtrain.export import hf_state
 from llmtrain.parallelize import STRATEGIES
@@ -34,61 +34,12 @@ from llmtrain.rollout.engine import EngineSetup
 from llmtrain.rollout.local import Sampling
 from llmtrain.rollout.vllm import VLLMEngine, hf_view, vllm_requests
 
-EOS, PAD, VOCAB, PADDED = [2, 3], 0, 24, 64
+EOS, PAD = [2, 3], 0
 CPU = torch.device("cpu")
-PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 PROMPTS = [[1, 4, 6], [1, 5], [1, 7, 9, 11]]
 ROWS = [p for p in PROMPTS for _ in range(2)]
 KEYS = [(5, 0, i // 2, i % 2) for i in range(len(ROWS))]
 SAMPLING = Sampling(max_tokens=10, temperature=0.8, top_p=0.9, top_k=0)
-PAST_EOS = 2  # tokens the fake returns after an EOS for odd seeds (from_vllm must cut them)
-
-
-def put(root: nn.Module, dotted: str, param: nn.Parameter) -> None:
-    *path, leaf = dotted.split(".")
-    for part in path:
-        if not hasattr(root, part):
-            root.add_module(part, nn.Module())
-        root = getattr(root, part)
-    root.register_parameter(leaf, param)
-
-
-class FakeVLLMModel(nn.Module):
-    """vLLM's Llama as its loader sees it: qkv_proj = [q; k; v] rows, gate_up_proj = [gate; up], the vocabulary
-    padded to PADDED rows, lm_head the embedding's parameter; load_weights takes Hugging Face names and copies each
-    tensor into its rows, skipping the tied lm_head, as vLLM's LlamaForCausalLM.load_weights does."""
-    packed_modules_mapping = PACKED
-
-    def __init__(self, config, dtype: torch.dtype, events: list):
-        super().__init__()
-        self.events, h, hd = events, config.hidden_size, config.hidden_size // config.num_attention_heads
-        self.rows = {"q_proj": config.num_attention_heads * hd, "k_proj": config.num_key_value_heads * hd,
-                     "v_proj": config.num_key_value_heads * hd, "gate_proj": config.intermediate_size,
-                     "up_proj": config.intermediate_size}
-        empty = lambda *shape: nn.Parameter(torch.full(shape, float("nan"), dtype=dtype), requires_grad=False)  # noqa: E731
-        put(self, "model.embed_tokens.weight", empty(PADDED, h))
-        for i in range(config.num_hidden_layers):
-            layer = f"model.layers.{i}."
-            put(self, layer + "self_attn.qkv_proj.weight", empty(sum(self.rows[m] for m in PACKED["qkv_proj"]), h))
-            put(self, layer + "self_attn.o_proj.weight", empty(h, h))
-            put(self, layer + "mlp.gate_up_proj.weight", empty(2 * config.intermediate_size, h))
-            put(self, layer + "mlp.down_proj.weight", empty(h, config.intermediate_size))
-            put(self, layer + "input_layernorm.weight", empty(h))
-            put(self, layer + "post_attention_layernorm.weight", empty(h))
-        put(self, "model.norm.weight", empty(h))
-        put(self, "lm_head.weight", self.model.embed_tokens.weight)
-
-    def load_weights(self, weights):
-        params = dict(self.named_parameters())
-        for name, tensor in weights:
-            assert not self.events or self.events[-1] != "sleep", "load_weights on a sleeping engine"
-            self.events.append(("load", name, tensor.dtype))
-            if name.startswith("lm_head."):
-                continue
-            fused = next(((f, m) for f, members in PACKED.items() for m in members if f".{m}." in name), None)
-            target, offset = (name, 0) if fused is None else (name.replace(fused[1], fused[0]), sum(
-                self.rows[m] for m in PACKED[fused[0]][:PACKED[fused[0]].index(fused[1])]))
-            params[target].data[offset:offset + tensor.shape[0]].copy_(tensor)
 
 
 class FakeLLM:
@@ -121,14 +72,8 @@ class FakeLLM:
         self.events.append("generate")
         out = []
         for p in sampling_params:
-            g = torch.Generator().manual_seed(p.seed)
-            ids, logprobs, stop = [], [], None
-            while len(ids) < p.max_tokens and (stop is None or len(ids) < stop):
-                token = int(torch.randint(1, VOCAB, (1,), generator=g))
-                ids.append(token)
-                logprobs.append({token: SimpleNamespace(logprob=-0.5 * len(ids), rank=1)})
-                if token in p.stop_token_ids and stop is None:
-                    stop = len(ids) + (PAST_EOS if p.seed % 2 else 0)
+            ids, logps = sampled(p.seed, p.max_tokens, p.stop_token_ids)
+            logprobs = [{t: SimpleNamespace(logprob=x, rank=1)} for t, x in zip(ids, logps)]
             out.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, logprobs=logprobs)]))
         self.calls.append((prompts, sampling_params, use_tqdm, out))
         return out
@@ -142,13 +87,6 @@ def fake_vllm(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", module)
     FakeLLM.built.clear()
     return module
-
-
-def trainer() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                        tie_word_embeddings=True))
 
 
 def engine(tmp_path, model: LlamaForCausalLM, sleep_mode: bool = False) -> VLLMEngine:
@@ -251,16 +189,16 @@ def test_a_name_vllm_does_not_hold_is_one_line():
 def test_vllm_is_refused_at_set_up_in_one_line(monkeypatch, cuda, installed, message):
     monkeypatch.setattr(registry, "find_spec", lambda name: object() if installed else None)
     for other in ("local", "transformers"):
-        registry.check_engine(other, cuda)
+        registry.check_engine(other, cuda, None)
     with pytest.raises(ConfigError) as e:
-        registry.check_engine("vllm", cuda)
+        registry.check_engine("vllm", cuda, None)
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
 def test_vllm_on_cuda_with_the_package_is_taken(monkeypatch):
     looked_up = []
     monkeypatch.setattr(registry, "find_spec", lambda name: looked_up.append(name) or object())
-    registry.check_engine("vllm", True)
+    registry.check_engine("vllm", True, None)
     assert looked_up == ["vllm"]
 
 

@@ -101,14 +101,24 @@ class GRPOSection:
     same completions at any world size, strategy or resume); transformers (transformers' continuous batching on
     each rank's own fp32 copy of the policy, its weights pushed and fingerprint-checked at every generation
     batch; reproducible for the same rows, not at another world size or split); vllm (vLLM colocated in each
-    training process on CUDA, its own copy in the compute dtype, pushed and checked the same way; needs
-    `pip install vllm`, not tested on a GPU yet: docs/grpo.md)."""
+    training process on CUDA, its own copy in the compute dtype, pushed and checked the same way, or on the
+    server grpo.vllm_server_url names; needs `pip install vllm`, not tested on a GPU yet: docs/grpo.md)."""
     vllm_gpu_memory_utilization: float = ranged("(0, 1]", default=0.3)
     """grpo.engine=vllm: the fraction of the GPU's memory vLLM takes for its weights, activations and KV cache
     (TRL's vllm_gpu_memory_utilization); the training's model, gradients and optimizer need the rest."""
     vllm_enable_sleep_mode: bool = False
     """grpo.engine=vllm: vLLM sleeps between generations (weights offloaded to the CPU, KV cache freed), so
     training gets its memory back; costs a copy back before each push (TRL's vllm_enable_sleep_mode)."""
+    vllm_server_url: str | None = None
+    """grpo.engine=vllm: the base URL (http://host:8000) of a vLLM server on GPUs of its own to generate on, rank 0
+    pushing it the weights over NCCL (TRL's vllm_mode=server, vllm_server_base_url); started as docs/grpo.md shows.
+    None: vLLM colocated in the training processes (grpo.vllm_gpu_memory_utilization and _enable_sleep_mode)."""
+    vllm_server_timeout: float = ranged("(0, inf)", default=240.0)
+    """grpo.vllm_server_url: seconds to wait for the server at start (until /health answers) and for each of its
+    answers (TRL's vllm_server_timeout)."""
+    vllm_group_port: int = ranged("[1, 65535]", default=51216)
+    """grpo.vllm_server_url: the port on rank 0's host of the NCCL group that sends the weights to the server's
+    workers (TRL's vllm_group_port)."""
     importance_correction: Literal["none", "tis", "mis"] = "none"
     """Correct for the engine's log-probs differing from the trainer's (TRL's vllm_importance_sampling_*): tis
     multiplies each token's policy-gradient loss by min(exp(trainer - engine log-prob), importance_cap)
@@ -376,7 +386,8 @@ class GRPO(Recipe):
         check(cfg.grpo)
         check_batch(cfg, distributed.world_size_from_env())  # before any process group: torchrun's WORLD_SIZE
         device = cfg.distributed.device
-        check_engine(cfg.grpo.engine, device == "cuda" or (device == "auto" and torch.cuda.is_available()))
+        check_engine(cfg.grpo.engine, device == "cuda" or (device == "auto" and torch.cuda.is_available()),
+                     cfg.grpo.vllm_server_url)
         rewards.load_all(cfg.grpo.reward_funcs)  # a missing module, file or function: exit 2 here
         rewards.reward_timeout(cfg.grpo.reward_timeout_s, cfg.distributed.timeout_s)
         if cfg.train.loss_impl == "liger":
@@ -404,7 +415,7 @@ class GRPO(Recipe):
         setup = EngineSetup(cfg.data.seq_len + g.max_completion_length,
                             cfg.train.micro_batch_size * cfg.train.grad_accum_steps, cfg.train.seed,
                             DTYPES[cfg.parallel.mixed_precision], cfg.output_dir, g.vllm_gpu_memory_utilization,
-                            g.vllm_enable_sleep_mode)
+                            g.vllm_enable_sleep_mode, g.vllm_server_url, g.vllm_server_timeout, g.vllm_group_port)
         engine = ENGINES[g.engine](run.model, run.model_config, run.autocast, eos, pad, run.env.device, setup)
         return built, Rollouts(run, PromptSteps(steps, g.num_iterations, run.state.data), engine,
                                Sampling(g.max_completion_length, g.temperature, g.top_p, g.top_k), funcs, ref, pad)

@@ -55,6 +55,9 @@ class EngineSetup(NamedTuple):
     workdir: str        # output_dir: where an engine may keep scratch files for the run
     vllm_gpu_memory_utilization: float  # grpo.vllm_gpu_memory_utilization
     vllm_enable_sleep_mode: bool        # grpo.vllm_enable_sleep_mode
+    vllm_server_url: str | None = None  # grpo.vllm_server_url (None: vllm colocated)
+    vllm_server_timeout: float = 240.0  # grpo.vllm_server_timeout
+    vllm_group_port: int = 51216        # grpo.vllm_group_port
 
 
 class Completions(NamedTuple):

@@ -32,8 +32,9 @@ branch of generation), and vLLM's engine arguments (docs.vllm.ai/en/v0.10.2/conf
     so the fingerprint is exactly sync's, in the copy's dtype: a stale copy is caught as with transformers, on the
     weights vLLM samples with (not on what was sent). A family whose names vLLM maps otherwise stops the check
     with one line naming the parameter.
-Not built: vLLM as a server (TRL's vllm_mode="server": grpo.vllm_server_url, weights over NCCL), LoRA as a vLLM
-adapter (the adapters are merged into the pushed weights), tensor parallelism inside vLLM.
+vLLM on a server of its own (grpo.vllm_server_url): llmtrain.rollout.vllm_server, which shares this module's requests,
+the reading of completions, the layout and the fingerprint. Not built: LoRA as a vLLM adapter (the adapters are
+merged into the pushed weights), tensor parallelism inside a colocated vLLM.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import contextlib
 import copy
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -71,22 +72,58 @@ def vllm_requests(prompts: list[list[int]], keys: list[tuple[int, ...]], samplin
 
 def from_vllm(outputs: list, eos_ids: list[int], pad_id: int) -> Grid:
     """Completions (with log-probs) from vLLM's RequestOutputs in request order: each one's first
-    CompletionOutput's token_ids up to and including the first EOS, and the sampled token's Logprob at each
-    position; truncated when no EOS was sampled (finish_reason "length")."""
-    eos, tokens, logps = set(eos_ids), [], []
+    CompletionOutput's token ids and the sampled token's Logprob at each position (cut_at_eos)."""
+    tokens, logps = [], []
     for request in outputs:
         out = request.outputs[0]
-        ids = list(out.token_ids)
+        tokens.append(list(out.token_ids))
+        logps.append(None if out.logprobs is None else [p[t].logprob for p, t in zip(out.logprobs, out.token_ids)])
+    return cut_at_eos(tokens, logps, eos_ids, pad_id)
+
+
+def cut_at_eos(tokens: list[list[int]], logps: list[list[float] | None], eos_ids: list[int], pad_id: int) -> Grid:
+    """Completions with log-probs from what vLLM sampled (a row's token ids and each one's log-prob): each row up
+    to and including its first EOS, truncated when no EOS was sampled (finish_reason "length")."""
+    eos, kept, kept_logps = set(eos_ids), [], []
+    for ids, row_logps in zip(tokens, logps):
         n = next((i + 1 for i, t in enumerate(ids) if t in eos), len(ids))
-        if out.logprobs is None or len(out.logprobs) < n:
-            raise ValueError("from_vllm: a completion came without a log-prob per token; sample with logprobs=0")
-        tokens.append(ids[:n])
-        logps.append([out.logprobs[i][t].logprob for i, t in enumerate(ids[:n])])
-    done = from_lists(tokens, [not (row and row[-1] in eos) for row in tokens], pad_id)
+        if row_logps is None or len(row_logps) < n:
+            raise ValueError("vLLM returned a completion without a log-prob per token; sample with logprobs=0")
+        kept.append(ids[:n])
+        kept_logps.append(row_logps[:n])
+    done = from_lists(kept, [not (row and row[-1] in eos) for row in kept], pad_id)
     grid = torch.zeros(done.ids.shape)
-    for i, row in enumerate(logps):
-        grid[i, :len(row)] = torch.tensor(row)
+    for i, row in enumerate(kept_logps):
+        grid[i, :len(row)] = torch.tensor(row, dtype=torch.float32)
     return done._replace(logps=grid)
+
+
+class Layout(NamedTuple):
+    """A policy's tensors as vLLM loads them: by Hugging Face name."""
+    shapes: dict[str, tuple[int, ...]]  # every name of the state dict (a tied weight under each of its names)
+    pushed: list[str]                   # the names a push sends: a tied weight once, by its first name
+    architecture: str                   # the model's class name (config.architectures: how vLLM picks its own)
+
+
+def hf_layout(model_config) -> Layout:
+    """The Layout of a Hugging Face config's model (built on meta: names and shapes only)."""
+    with init_empty_weights(include_buffers=False):
+        shaped = AutoModelForCausalLM.from_config(copy.deepcopy(model_config))
+    shaped.tie_weights()
+    tensors = shaped.state_dict(keep_vars=True)
+    first = {}
+    for name, t in tensors.items():
+        first.setdefault(id(t), name)
+    return Layout({name: tuple(t.shape) for name, t in tensors.items()}, list(first.values()), type(shaped).__name__)
+
+
+def vllm_fingerprint(model: nn.Module, shapes: dict[str, tuple[int, ...]], names: list[str]) -> dict[str, float]:
+    """sync.fingerprint of vLLM's model (its fused, padded parameters read by Hugging Face names through hf_view) in
+    its own dtype: the weights vLLM samples with."""
+    params = dict(model.named_parameters(remove_duplicate=False))  # a tied lm_head.weight by its own name too
+    packed = getattr(model, "packed_modules_mapping", {})  # vLLM's models with fused layers declare it
+    dtype = next(iter(params.values())).dtype
+    return fingerprint({n: hf_view(params, packed, shapes, n) for n in names}, names, dtype)
 
 
 def hf_view(params: dict[str, torch.Tensor], packed: dict[str, list[str]], shapes: dict[str, tuple[int, ...]],
@@ -119,17 +156,10 @@ class VLLMEngine:
                  eos_ids: list[int], pad_id: int, device: torch.device, setup: EngineSetup):
         import vllm  # here: optional and CUDA only (llmtrain.rollout.registry.check_engine refused a run without it)
 
+        layout = hf_layout(model_config)
+        self.shapes, self.pushed = layout.shapes, layout.pushed
         config = copy.deepcopy(model_config)
-        with init_empty_weights(include_buffers=False):  # names and shapes only
-            shaped = AutoModelForCausalLM.from_config(config)
-        shaped.tie_weights()
-        tensors = shaped.state_dict(keep_vars=True)
-        self.shapes = {name: tuple(t.shape) for name, t in tensors.items()}
-        first = {}
-        for name, t in tensors.items():
-            first.setdefault(id(t), name)
-        self.pushed = list(first.values())  # a tied weight once, by its first name
-        config.architectures = [type(shaped).__name__]  # vLLM picks its model class by it (an inline config has none)
+        config.architectures = [layout.architecture]  # vLLM picks its model class by it (an inline config has none)
         directory = Path(setup.workdir) / ".vllm-config" / f"rank{dist.get_rank()}"  # rewritten by the next run
         directory.mkdir(parents=True, exist_ok=True)
         config.save_pretrained(directory)
@@ -170,10 +200,7 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
 
     def fingerprint(self, names: list[str]) -> dict[str, float]:
-        model = self.vllm_model()
-        params = dict(model.named_parameters(remove_duplicate=False))  # a tied lm_head.weight by its own name too
-        packed = getattr(model, "packed_modules_mapping", {})  # vLLM's models with fused layers declare it
-        return fingerprint({n: hf_view(params, packed, self.shapes, n) for n in names}, names, self.weights_dtype)
+        return vllm_fingerprint(self.vllm_model(), self.shapes, names)
 
     def generate(self, prompt_ids, keys, sampling) -> Completions:
         requests = vllm_requests(prompt_ids, keys, sampling, self.eos)

@@ -1,0 +1,194 @@
+"""grpo.engine=vllm with grpo.vllm_server_url (llmtrain.rollout.vllm_server.VLLMServerEngine) against a fake vLLM
+server over real HTTP (tests/helpers/vllm.py's FakeServer; vLLM needs a GPU and is not installed here), its weights
+sent over a real gloo group in place of NCCL (GlooTransport): the completion requests of keyed rows (one per row,
+its key's seed, token-id prompt, the sampled token's log-prob) and the Completions read back (cut at the first EOS,
+truncation, log-probs); joining the weight group (rank 0 of it, the workers after); a push in vLLM's order of
+routes with the tensors announced by name, dtype and shape and received in that order into a model laid out as
+vLLM's, every Hugging Face tensor then equal to the trainer's in the server's dtype; the fingerprint through
+llmtrain.rollout.vllm_worker.WeightCheck (the worker extension) equal to sync.trainer_fingerprint's, and a worker
+that did not load the push (a stale one among two) stopping the step; one-line errors for no server, a server
+without the worker extension or the weight transfer engine, and a failing route; the set-up checks of
+grpo.vllm_server_url."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from helpers import REPO
+from helpers.engines import stale_copy_is_caught
+from helpers.vllm import PACKED, FakeServer, GlooTransport, sampled, trainer
+from llmtrain.config import ConfigError, RunError, load_config
+from llmtrain.export import hf_state
+from llmtrain.parallelize import STRATEGIES
+from llmtrain.recipes import RECIPES
+from llmtrain.rollout import registry, sync
+from llmtrain.rollout.engine import EngineSetup
+from llmtrain.rollout.local import Sampling, sample_seed
+from llmtrain.rollout.vllm import hf_view
+from llmtrain.rollout.vllm_server import VLLMServerEngine
+
+EOS, PAD = [2, 3], 0
+CPU = torch.device("cpu")
+ROWS = [p for p in ([1, 4, 6], [1, 5], [1, 7, 9, 11]) for _ in range(2)]
+KEYS = [(5, 0, i // 2, i % 2) for i in range(len(ROWS))]
+SAMPLING = Sampling(max_tokens=10, temperature=0.8, top_p=0.9, top_k=0)
+SEED = 7
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def model():
+    return trainer()
+
+
+@pytest.fixture
+def server(model):
+    servers = []
+
+    def start(**kwargs) -> FakeServer:
+        servers.append(FakeServer(model.config, **kwargs))
+        return servers[-1]
+    yield start
+    for s in servers:
+        s.close()
+
+
+def engine(url: str, model, timeout: float = 30.0, port: int | None = None) -> VLLMServerEngine:
+    setup = EngineSetup(48, len(ROWS), SEED, torch.float32, "unused", 0.3, False, url, timeout, port or free_port())
+    return VLLMServerEngine(model, model.config, None, EOS, PAD, CPU, setup, transport=GlooTransport)
+
+
+def test_keyed_rows_become_one_request_each_and_completions_are_read_back(server, model, single_process_group):
+    fake = server()
+    e = engine(fake.url, model)
+    out = e.generate(ROWS, KEYS, SAMPLING)
+    bodies = [body for route, body in fake.calls if route == "/v1/completions"]
+    assert sorted(bodies, key=lambda b: b["seed"]) == sorted(
+        [{"model": "policy", "prompt": row, "return_token_ids": True, "n": 1, "temperature": 0.8, "top_p": 0.9,
+          "top_k": -1, "max_tokens": 10, "logprobs": 0, "stop_token_ids": EOS, "seed": sample_seed(*key)}
+         for row, key in zip(ROWS, KEYS)], key=lambda b: b["seed"])
+    cut = 0
+    for tokens, truncated, logps, key in zip(out.tokens, out.truncated, out.logps, KEYS):
+        ids, _ = sampled(sample_seed(*key), SAMPLING.max_tokens, EOS)  # what the server answered for this row
+        first = next((i + 1 for i, t in enumerate(ids) if t in EOS), None)
+        assert tokens == ids[:first] and truncated == (first is None)
+        assert logps == [-0.5 * (i + 1) for i in range(len(tokens))]
+        cut += len(ids) - len(tokens)
+    assert cut > 0 and any(out.truncated) and not all(out.truncated)  # tokens past an EOS were dropped
+    assert out.seconds >= 0
+
+
+def test_push_over_the_group_and_the_workers_fingerprints(server, model, single_process_group):
+    fake = server(workers=2)
+    port = free_port()
+    e = engine(fake.url, model, port=port)
+    (init,) = [body["init_info"] for route, body in fake.calls if route == "/init_weight_transfer_engine"]
+    assert init == {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 3}
+    assert e.weights_dtype == torch.bfloat16 and e.copies_weights  # the workers' dtype, through the extension
+    full = hf_state(model, STRATEGIES["none"], CPU)
+    del fake.calls[:]
+    e.update_weights(0, full)
+    routes = [route for route, _ in fake.calls]
+    assert routes == ["/start_weight_update", "/update_weights", "/finish_weight_update", "/reset_prefix_cache"]
+    info = fake.calls[1][1]["update_info"]
+    assert info["names"] == e.pushed and set(e.pushed) | {"lm_head.weight"} == set(full)  # the tied weight once
+    assert info["dtype_names"] == ["bfloat16"] * len(e.pushed)
+    assert info["shapes"] == [list(full[n].shape) for n in e.pushed]
+    for worker in fake.workers:
+        params = dict(worker.model_runner.model.named_parameters(remove_duplicate=False))
+        for name, tensor in full.items():  # each Hugging Face tensor read back from vLLM's layout, exactly
+            assert torch.equal(hf_view(params, PACKED, e.shapes, name), tensor.to(torch.bfloat16)), name
+    expected = sync.trainer_fingerprint(full, SEED, 0, e.weights_dtype)
+    assert e.fingerprint(list(expected)) == expected == sync.fingerprint(full, list(expected), torch.bfloat16)
+    sync.check(expected, e.fingerprint(list(expected)), 0, "vllm")
+    stale_copy_is_caught(model, e, "vllm", 1e-2, SEED)  # the trainer moved without a push; then pushed: equal
+
+
+def test_a_worker_that_missed_the_push_stops_the_step(server, model, single_process_group):
+    fake = server(workers=2, stale=(1,))
+    e = engine(fake.url, model)
+    full = hf_state(model, STRATEGIES["none"], CPU)
+    e.update_weights(0, full)
+    expected = sync.trainer_fingerprint(full, SEED, 0, e.weights_dtype)
+    with pytest.raises(RunError, match=r"^grpo.engine=vllm: after the weight push for step 1, rank 0's engine "
+                                       r"differs from the trainer on .*: it would sample from stale weights$"):
+        sync.check(expected, e.fingerprint(list(expected)), 0, "vllm")
+
+
+def one_line(error: pytest.ExceptionInfo) -> str:
+    assert "\n" not in str(error.value)
+    return str(error.value)
+
+
+def test_no_server_is_one_line_after_the_timeout(model, single_process_group):
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(RunError) as e:
+        engine(url, model, timeout=1.5)
+    assert one_line(e).startswith(f"grpo.vllm_server_url: no vLLM server answered at {url} within "
+                                  "grpo.vllm_server_timeout=1.5 s (")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"extension": False}, "grpo.vllm_server_url: /collective_rpc at {url} answered 500: "
+                           "{{\"error\": \"AttributeError: 'Worker' object has no attribute 'llmtrain_dtype'\"}}; the "
+                           "weight-sync check needs the server started with VLLM_SERVER_DEV_MODE=1 and "
+                           "--worker-extension-cls llmtrain.rollout.vllm_worker.WeightCheck (docs/grpo.md)"),
+    ({"weight_transfer": False}, "grpo.vllm_server_url: the server at {url} has no weight transfer engine; start it "
+                                 "with --weight-transfer-config '{{\"backend\": \"nccl\"}}' (docs/grpo.md)"),
+    ({"failing": "/v1/models"}, "grpo.vllm_server_url: /v1/models at {url} answered 500: {{\"error\": \"boom\"}}"),
+])
+def test_a_server_that_cannot_serve_the_run_is_one_line(server, model, single_process_group, kwargs, message):
+    fake = server(**kwargs)
+    with pytest.raises(RunError) as e:
+        engine(fake.url, model)
+    assert one_line(e) == message.format(url=fake.url)
+
+
+def test_a_failing_completion_is_one_line(server, model, single_process_group):
+    fake = server(failing="/v1/completions")
+    e = engine(fake.url, model)
+    with pytest.raises(RunError) as error:
+        e.generate(ROWS, KEYS, SAMPLING)
+    assert one_line(error) == (f"grpo.vllm_server_url: /v1/completions at {fake.url} answered 500: "
+                               '{"error": "boom"}')
+
+
+@pytest.mark.parametrize("engine_name, url, message", [
+    ("local", "http://host:8000", "grpo.vllm_server_url: a server generates for grpo.engine=vllm only, and "
+                                  "grpo.engine is local; set grpo.engine=vllm, or leave grpo.vllm_server_url unset"),
+    ("vllm", "host:8000", "grpo.vllm_server_url: 'host:8000' is not a server's base URL like http://host:8000"),
+    ("vllm", "http://host:8000/v1", "grpo.vllm_server_url: 'http://host:8000/v1' is not a server's base URL"),
+    ("vllm", "http://host:8000", "grpo.engine: vllm runs on CUDA GPUs only and this run is on CPU"),
+])
+def test_the_recipe_checks_the_server_url_at_set_up(monkeypatch, tmp_path, engine_name, url, message):
+    """recipes/grpo.py's set-up (before any process group) with grpo.vllm_server_url, and its keys' ranges."""
+    monkeypatch.chdir(REPO)
+    cls = RECIPES["grpo"].config_cls
+    (tmp_path / "grpo.yaml").write_text(
+        "model: {config: {hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 4}}\n"
+        "tokenizer: {path: assets/tokenizer}\n"
+        "data: {path: data/demo/prompts.jsonl, format: prompt, seq_len: 32}\n"
+        "train: {micro_batch_size: 8}\n"
+        f"grpo: {{engine: {engine_name}, vllm_server_url: '{url}', reward_funcs: [llmtrain.rewards:format_regex]}}\n")
+    cfg = load_config(tmp_path / "grpo.yaml", ["distributed.device=cpu"], cls=cls)
+    with pytest.raises(ConfigError) as e:
+        RECIPES["grpo"]().check(cfg)
+    assert one_line(e).startswith(message)
+    for key, bad in (("vllm_server_timeout", "0"), ("vllm_group_port", "70000")):
+        with pytest.raises(ConfigError, match=f"grpo.{key}") as e:
+            load_config(tmp_path / "grpo.yaml", [f"grpo.{key}={bad}"], cls=cls)
+        one_line(e)
+
+
+def test_a_well_formed_url_on_cuda_with_vllm_is_taken(monkeypatch):
+    monkeypatch.setattr(registry, "find_spec", lambda name: object())
+    for url in ("http://host:8000", "https://10.0.0.7:8000/", "http://gpu-node"):
+        registry.check_engine("vllm", True, url)
