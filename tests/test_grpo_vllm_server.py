@@ -8,10 +8,15 @@ vLLM's, every Hugging Face tensor then equal to the trainer's in the server's dt
 llmtrain.rollout.vllm_worker.WeightCheck (the worker extension) equal to sync.trainer_fingerprint's, and a worker
 that did not load the push (a stale one among two) stopping the step; one-line errors for no server, a server
 without the worker extension or the weight transfer engine, and a failing route; the set-up checks of
-grpo.vllm_server_url."""
+grpo.vllm_server_url; and recipes/grpo.py end to end on 2 ranks (ddp) against a fake server that samples from the
+weights pushed to it (fp32): the drift guard's log-probs within 1e-5 nats of the trainer's on every step, one push
+and one fingerprint per rank per generation batch, one request per completion, and a server whose worker missed the
+push stopping the run at once with one line (the recipe's own entry point, its NCCL transport swapped for gloo and
+its CPU refusal lifted by a wrapper script)."""
 
 from __future__ import annotations
 
+import math
 import socket
 
 import pytest
@@ -19,9 +24,12 @@ import torch
 
 from helpers import REPO
 from helpers.engines import stale_copy_is_caught
+from helpers.grpo import write_config
+from helpers.procs import finish_recipe, read_metrics, start_recipe
 from helpers.vllm import PACKED, FakeServer, GlooTransport, sampled, trainer
 from llmtrain.config import ConfigError, RunError, load_config
 from llmtrain.export import hf_state
+from llmtrain.models.hf import load_model_config, load_tokenizer
 from llmtrain.parallelize import STRATEGIES
 from llmtrain.recipes import RECIPES
 from llmtrain.rollout import registry, sync
@@ -192,3 +200,85 @@ def test_a_well_formed_url_on_cuda_with_vllm_is_taken(monkeypatch):
     monkeypatch.setattr(registry, "find_spec", lambda name: object())
     for url in ("http://host:8000", "https://10.0.0.7:8000/", "http://gpu-node"):
         registry.check_engine("vllm", True, url)
+
+
+def test_the_server_url_picks_the_server_engine(monkeypatch):
+    """ENGINES["vllm"] (what recipes/grpo.py builds) is the server engine when the EngineSetup names a server."""
+    built = []
+    for name in ("VLLMServerEngine", "VLLMEngine"):
+        monkeypatch.setattr(registry, name, lambda *args, name=name: built.append((name, args[-1].vllm_server_url)))
+    for url in ("http://host:8000", None):
+        setup = EngineSetup(48, 6, SEED, torch.bfloat16, "unused", 0.3, False, url)
+        registry.ENGINES["vllm"](None, None, None, EOS, PAD, CPU, setup)
+    assert built == [("VLLMServerEngine", "http://host:8000"), ("VLLMEngine", None)]
+
+
+# recipes/grpo.py as users run it, but with the server engine's weights over gloo (no NCCL on a CPU) and the
+# set-up's CUDA / vllm-package refusal lifted (the server is a fake; nothing of vllm is imported).
+ON_CPU = """\
+import functools, runpy, sys
+sys.path[:0] = [REPO, REPO + "/tests"]
+from helpers.vllm import GlooTransport
+from llmtrain.recipes import grpo
+from llmtrain.rollout import registry, vllm_server
+
+registry.find_spec = lambda name: object()
+grpo.check_engine = lambda name, cuda, url: registry.check_engine(name, True, url)
+registry.VLLMServerEngine = functools.partial(vllm_server.VLLMServerEngine, transport=GlooTransport)
+runpy.run_path(REPO + "/recipes/grpo.py", run_name="__main__")
+"""
+STEPS = 4  # helpers.grpo's num_iterations 2: two generation batches, two pushes
+
+
+@pytest.fixture(scope="module")
+def server_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("grpo_vllm_server")
+    config = write_config(tmp)
+    (tmp / "on_cpu.py").write_text(ON_CPU.replace("REPO", repr(str(REPO))))
+    section = load_config(config, [], cls=RECIPES["grpo"].config_cls).model
+    hf_config = load_model_config(section, load_tokenizer(str(REPO / "assets" / "tokenizer"), False))
+    servers = {"run": FakeServer(hf_config, dtype=torch.float32, policy=True),
+               "stale": FakeServer(hf_config, dtype=torch.float32, stale=(0,))}
+    procs = {key: start_recipe(tmp / key, "grpo.engine=vllm", f"grpo.vllm_server_url={s.url}",
+                               f"grpo.vllm_group_port={free_port()}", "parallel.strategy=ddp",
+                               "train.micro_batch_size=3", f"train.max_steps={STEPS}", nproc=2, config=config,
+                               script=tmp / "on_cpu.py")
+             for key, s in servers.items()}
+    try:
+        yield tmp, servers, {key: finish_recipe(proc, check=key == "run") for key, proc in procs.items()}
+    finally:
+        for s in servers.values():
+            s.close()
+
+
+@pytest.mark.slow
+def test_the_recipe_trains_on_a_servers_completions_with_matching_logprobs(server_runs):
+    tmp, servers, _ = server_runs
+    logged = {r["step"]: r for r in read_metrics(tmp / "run") if "loss" in r}
+    assert sorted(logged) == list(range(1, STEPS + 1))
+    for r in logged.values():
+        assert all(math.isfinite(r[k]) for k in ("loss", "reward", "grad_norm", "kl")), r
+        assert r["trained_tokens"] > 0 and r["generated_tokens_per_s"] > 0
+        # The server's log-probs, token by token, are the trainer's recomputation on the same tokens.
+        assert 0 <= r["sampling/logprob_diff/mean"] <= r["sampling/logprob_diff/max"] < 1e-5, r["step"]
+    calls = servers["run"].calls
+    routes = [route for route, _ in calls]
+    checks = [b for route, b in calls if route == "/collective_rpc" and b["method"] == "llmtrain_fingerprint"]
+    assert routes.count("/init_weight_transfer_engine") == 1 and routes.count("/update_weights") == STEPS // 2
+    assert len(checks) == 2 * STEPS // 2  # every rank checks every push
+    assert routes.count("/v1/completions") == STEPS // 2 * 3 * 2 * 2  # micro-batch x accumulation x ranks each
+    assert (tmp / "run" / "hf" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_a_server_worker_that_missed_the_push_stops_the_run(server_runs):
+    tmp, servers, results = server_runs
+    res = results["stale"]
+    assert res.returncode == 1, res.stderr[-3000:]
+    # Every rank raises the same line (they agreed on it): "error (rank r): <line> (traceback in <its log>)".
+    (line,) = {line.split(": ", 1)[1].rsplit(" (traceback in ", 1)[0] for line in res.stderr.splitlines()
+               if line.startswith("error")}
+    assert line.startswith("grpo.engine=vllm: after the weight push for step 1, rank 0's engine differs from the "
+                           "trainer on ") and line.endswith(": it would sample from stale weights"), line
+    assert "/v1/completions" not in [route for route, _ in servers["stale"].calls]  # stopped before sampling
+    assert not (tmp / "stale" / "hf").exists()

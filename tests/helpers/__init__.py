@@ -1,6 +1,6 @@
 """What the tests share besides fixtures (those live in tests/conftest.py): process launches (procs), the
-export check (export), the tiny model families (families) and the engine tests' stale-copy check (engines). Test
-modules import these, never each other."""
+export check (export), the tiny model families (families), the engine tests' stale-copy check (engines) and the
+vLLM engines' fakes (vllm), among others. Test modules import these, never each other."""
 
 from pathlib import Path
 

@@ -14,11 +14,11 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from llmtrain.rollout.vllm_worker import WeightCheck
 
-VOCAB, PADDED = 24, 64
+VOCAB, PADDED = 24, 64  # the trainer's vocabulary, and vLLM's padded to a multiple of 64
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
 
@@ -33,8 +33,9 @@ def put(root: nn.Module, dotted: str, param: nn.Parameter) -> None:
 
 class FakeVLLMModel(nn.Module):
     """vLLM's Llama as its loader sees it: qkv_proj = [q; k; v] rows, gate_up_proj = [gate; up], the vocabulary
-    padded to PADDED rows, lm_head the embedding's parameter; load_weights takes Hugging Face names and copies each
-    tensor into its rows, skipping the tied lm_head, as vLLM's LlamaForCausalLM.load_weights does."""
+    padded to a multiple of 64 rows (PADDED for VOCAB), lm_head the embedding's parameter; load_weights takes
+    Hugging Face names and copies each tensor into its rows, skipping the tied lm_head, as vLLM's
+    LlamaForCausalLM.load_weights does."""
     packed_modules_mapping = PACKED
 
     def __init__(self, config, dtype: torch.dtype, events: list):
@@ -44,7 +45,7 @@ class FakeVLLMModel(nn.Module):
                      "v_proj": config.num_key_value_heads * hd, "gate_proj": config.intermediate_size,
                      "up_proj": config.intermediate_size}
         empty = lambda *shape: nn.Parameter(torch.full(shape, float("nan"), dtype=dtype), requires_grad=False)  # noqa: E731
-        put(self, "model.embed_tokens.weight", empty(PADDED, h))
+        put(self, "model.embed_tokens.weight", empty(-(-config.vocab_size // 64) * 64, h))
         for i in range(config.num_hidden_layers):
             layer = f"model.layers.{i}."
             put(self, layer + "self_attn.qkv_proj.weight", empty(sum(self.rows[m] for m in PACKED["qkv_proj"]), h))
@@ -115,8 +116,12 @@ class FakeServer:
     (the workers' methods; a worker without the extension has none). `calls` records (route, body) in order."""
 
     def __init__(self, config: LlamaConfig, workers: int = 1, stale: tuple[int, ...] = (),
-                 weight_transfer: bool = True, extension: bool = True, failing: str | None = None):
-        self.workers = [FakeWorker(config, torch.bfloat16) for _ in range(workers)]
+                 weight_transfer: bool = True, extension: bool = True, failing: str | None = None,
+                 dtype: torch.dtype = torch.bfloat16, policy: bool = False):
+        self.workers = [FakeWorker(config, dtype) for _ in range(workers)]
+        # policy: completions sampled from the pushed weights (a whole Hugging Face model in fp32, fed what the
+        # first worker loads) instead of sampled()'s tokens
+        self.policy = AutoModelForCausalLM.from_config(config).eval() if policy else None
         self.stale, self.weight_transfer, self.extension, self.failing = stale, weight_transfer, extension, failing
         self.calls: list[tuple[str, dict | None]] = []
         self.groups = []
@@ -181,6 +186,8 @@ class FakeServer:
                     self.groups[i].broadcast([tensor], dist.BroadcastOptions()).wait()  # root 0: the trainer
                     if i not in self.stale:
                         self.workers[i].model_runner.model.load_weights([(name, tensor)])
+                        if i == 0 and self.policy is not None:
+                            self.policy.state_dict()[name].copy_(tensor)
             each(receive, range(len(self.workers)))
             return {"message": "Weights updated"}
         if route in ("/start_weight_update", "/finish_weight_update", "/reset_prefix_cache"):
@@ -190,10 +197,23 @@ class FakeServer:
                 raise AttributeError(f"'Worker' object has no attribute '{body['method']}'")
             return {"results": [getattr(w, body["method"])(*body["args"]) for w in self.workers]}
         if route == "/v1/completions":
-            ids, logps = sampled(body["seed"], body["max_tokens"], body["stop_token_ids"])
+            ids, logps = (sampled(body["seed"], body["max_tokens"], body["stop_token_ids"]) if self.policy is None
+                          else self.sample(body))
             return {"choices": [{"index": 0, "token_ids": ids, "finish_reason": "stop",
                                  "logprobs": {"tokens": [f"token_id:{t}" for t in ids], "token_logprobs": logps}}]}
         raise KeyError(route)
+
+    @torch.no_grad()
+    def sample(self, body: dict) -> tuple[list[int], list[float]]:
+        """One completion from the policy: each token drawn from softmax(logits / temperature) by a generator
+        seeded with the request's seed (no top-k / top-p), with its log-prob under that distribution."""
+        assert body["top_p"] == 1 and body["top_k"] == -1 and body["n"] == 1 and body["logprobs"] == 0, body
+        g, row, ids, logps = torch.Generator().manual_seed(body["seed"]), list(body["prompt"]), [], []
+        while len(ids) < body["max_tokens"] and not (ids and ids[-1] in body["stop_token_ids"]):
+            logp = torch.log_softmax(self.policy(torch.tensor([row + ids])).logits[0, -1] / body["temperature"], -1)
+            ids.append(int(torch.multinomial(logp.exp(), 1, generator=g)))
+            logps.append(logp[ids[-1]].item())
+        return ids, logps
 
 
 class GlooTransport:
