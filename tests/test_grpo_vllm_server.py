@@ -267,6 +267,9 @@ def test_the_recipe_trains_on_a_servers_completions_with_matching_logprobs(serve
     assert routes.count("/init_weight_transfer_engine") == 1 and routes.count("/update_weights") == STEPS // 2
     assert len(checks) == 2 * STEPS // 2  # every rank checks every push
     assert routes.count("/v1/completions") == STEPS // 2 * 3 * 2 * 2  # micro-batch x accumulation x ranks each
+    # The server answered both ranks' checks at once in this process (hf_layout in two threads): nothing of it
+    # is left building modules on meta here.
+    assert not torch.nn.Linear(2, 2).weight.is_meta
     assert (tmp / "run" / "hf" / "model.safetensors").exists()
 
 

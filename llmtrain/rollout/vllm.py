@@ -47,7 +47,6 @@ from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
-from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoModelForCausalLM
 
@@ -106,8 +105,10 @@ class Layout(NamedTuple):
 
 
 def hf_layout(model_config) -> Layout:
-    """The Layout of a Hugging Face config's model (built on meta: names and shapes only)."""
-    with init_empty_weights(include_buffers=False):
+    """The Layout of a Hugging Face config's model (built on meta: names and shapes only). torch.device("meta") is
+    per thread, unlike accelerate's init_empty_weights, which patches nn.Module for every thread: two threads in it
+    at once can leave it patched (a server answering two ranks' checks at once did)."""
+    with torch.device("meta"):
         shaped = AutoModelForCausalLM.from_config(copy.deepcopy(model_config))
     shaped.tie_weights()
     tensors = shaped.state_dict(keep_vars=True)
