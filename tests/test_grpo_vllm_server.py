@@ -10,7 +10,7 @@ that did not load the push (a stale one among two) stopping the step; one-line e
 without the worker extension or the weight transfer engine, and a failing route; the set-up checks of
 grpo.vllm_server_url; and recipes/grpo.py end to end on 2 ranks (ddp) against a fake server that samples from the
 weights pushed to it (fp32): the drift guard's log-probs within 1e-5 nats of the trainer's on every step, one push
-and one fingerprint per rank per generation batch, one request per completion, and a server whose worker missed the
+and one fingerprint request per generation batch, one request per completion, and a server whose worker missed the
 push stopping the run at once with one line (the recipe's own entry point, its NCCL transport swapped for gloo and
 its CPU refusal lifted by a wrapper script)."""
 
@@ -33,7 +33,7 @@ from llmtrain.models.hf import load_model_config, load_tokenizer
 from llmtrain.parallelize import STRATEGIES
 from llmtrain.recipes import RECIPES
 from llmtrain.rollout import registry, sync
-from llmtrain.rollout.engine import EngineSetup
+from llmtrain.rollout.engine import EngineSetup, VLLMServer
 from llmtrain.rollout.local import Sampling, sample_seed
 from llmtrain.rollout.vllm import hf_view
 from llmtrain.rollout.vllm_server import VLLMServerEngine
@@ -70,7 +70,8 @@ def server(model):
 
 
 def engine(url: str, model, timeout: float = 30.0, port: int | None = None) -> VLLMServerEngine:
-    setup = EngineSetup(48, len(ROWS), SEED, torch.float32, "unused", 0.3, False, url, timeout, port or free_port())
+    setup = EngineSetup(48, len(ROWS), SEED, torch.float32, "unused", 0.3, False,
+                        VLLMServer(url, timeout, port or free_port()))
     return VLLMServerEngine(model, model.config, None, EOS, PAD, CPU, setup, transport=GlooTransport)
 
 
@@ -206,11 +207,12 @@ def test_the_server_url_picks_the_server_engine(monkeypatch):
     """ENGINES["vllm"] (what recipes/grpo.py builds) is the server engine when the EngineSetup names a server."""
     built = []
     for name in ("VLLMServerEngine", "VLLMEngine"):
-        monkeypatch.setattr(registry, name, lambda *args, name=name: built.append((name, args[-1].vllm_server_url)))
-    for url in ("http://host:8000", None):
-        setup = EngineSetup(48, 6, SEED, torch.bfloat16, "unused", 0.3, False, url)
+        monkeypatch.setattr(registry, name, lambda *args, name=name: built.append((name, args[-1].vllm_server)))
+    server = VLLMServer("http://host:8000", 240.0, 51216)
+    for vllm_server in (server, None):
+        setup = EngineSetup(48, 6, SEED, torch.bfloat16, "unused", 0.3, False, vllm_server)
         registry.ENGINES["vllm"](None, None, None, EOS, PAD, CPU, setup)
-    assert built == [("VLLMServerEngine", "http://host:8000"), ("VLLMEngine", None)]
+    assert built == [("VLLMServerEngine", server), ("VLLMEngine", None)]
 
 
 # recipes/grpo.py as users run it, but with the server engine's weights over gloo (no NCCL on a CPU) and the
@@ -265,7 +267,7 @@ def test_the_recipe_trains_on_a_servers_completions_with_matching_logprobs(serve
     routes = [route for route, _ in calls]
     checks = [b for route, b in calls if route == "/collective_rpc" and b["method"] == "llmtrain_fingerprint"]
     assert routes.count("/init_weight_transfer_engine") == 1 and routes.count("/update_weights") == STEPS // 2
-    assert len(checks) == 2 * STEPS // 2  # every rank checks every push
+    assert len(checks) == STEPS // 2  # rank 0 asks once per push; the other ranks get its answer
     assert routes.count("/v1/completions") == STEPS // 2 * 3 * 2 * 2  # micro-batch x accumulation x ranks each
     # The server answered both ranks' checks at once in this process (hf_layout in two threads): nothing of it
     # is left building modules on meta here.

@@ -29,7 +29,7 @@ from llmtrain.losses.token import next_token_targets
 from llmtrain.models import hf as model_lib
 from llmtrain.recipes.base import Recipe
 from llmtrain.rollout import sync
-from llmtrain.rollout.engine import Engine, EngineSetup, completion_metrics
+from llmtrain.rollout.engine import Engine, EngineSetup, VLLMServer, completion_metrics
 from llmtrain.rollout.local import Sampling
 from llmtrain.rollout.registry import ENGINES, check_engine
 from llmtrain.rollout.rows import micro_batches
@@ -415,7 +415,9 @@ class GRPO(Recipe):
         setup = EngineSetup(cfg.data.seq_len + g.max_completion_length,
                             cfg.train.micro_batch_size * cfg.train.grad_accum_steps, cfg.train.seed,
                             DTYPES[cfg.parallel.mixed_precision], cfg.output_dir, g.vllm_gpu_memory_utilization,
-                            g.vllm_enable_sleep_mode, g.vllm_server_url, g.vllm_server_timeout, g.vllm_group_port)
+                            g.vllm_enable_sleep_mode,
+                            None if g.vllm_server_url is None else VLLMServer(
+                                g.vllm_server_url, g.vllm_server_timeout, g.vllm_group_port))
         engine = ENGINES[g.engine](run.model, run.model_config, run.autocast, eos, pad, run.env.device, setup)
         return built, Rollouts(run, PromptSteps(steps, g.num_iterations, run.state.data), engine,
                                Sampling(g.max_completion_length, g.temperature, g.top_p, g.top_k), funcs, ref, pad)

@@ -46,6 +46,13 @@ from llmtrain.rollout.sync import fingerprint
 PAGE = 64  # tokens per page of TransformersEngine's paged KV cache (sized to each call's rows)
 
 
+class VLLMServer(NamedTuple):
+    """The vLLM server grpo.engine=vllm generates on (llmtrain.rollout.vllm_server)."""
+    url: str            # grpo.vllm_server_url
+    timeout: float      # grpo.vllm_server_timeout
+    group_port: int     # grpo.vllm_group_port
+
+
 class EngineSetup(NamedTuple):
     """Plain values an engine may size itself by, beside the model (recipes/grpo.py takes them from its config)."""
     max_len: int        # tokens of a row at most: prompt + completion (data.seq_len + grpo.max_completion_length)
@@ -55,9 +62,7 @@ class EngineSetup(NamedTuple):
     workdir: str        # output_dir: where an engine may keep scratch files for the run
     vllm_gpu_memory_utilization: float  # grpo.vllm_gpu_memory_utilization
     vllm_enable_sleep_mode: bool        # grpo.vllm_enable_sleep_mode
-    vllm_server_url: str | None = None  # grpo.vllm_server_url (None: vllm colocated)
-    vllm_server_timeout: float = 240.0  # grpo.vllm_server_timeout
-    vllm_group_port: int = 51216        # grpo.vllm_group_port
+    vllm_server: VLLMServer | None = None  # grpo.vllm_server_url and its keys (None: vllm colocated)
 
 
 class Completions(NamedTuple):

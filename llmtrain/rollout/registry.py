@@ -14,7 +14,7 @@ from llmtrain.rollout.vllm_server import VLLMServerEngine
 
 def vllm(model, model_config, autocast, eos_ids, pad_id, device, setup: EngineSetup) -> Engine:
     """grpo.engine=vllm: on the server grpo.vllm_server_url names, else colocated in each training process."""
-    engine = VLLMServerEngine if setup.vllm_server_url else VLLMEngine
+    engine = VLLMEngine if setup.vllm_server is None else VLLMServerEngine
     return engine(model, model_config, autocast, eos_ids, pad_id, device, setup)
 
 

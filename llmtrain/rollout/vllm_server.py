@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from llmtrain import distributed
 from llmtrain.config import RunError
 from llmtrain.rollout.engine import Completions, EngineSetup, listed
 from llmtrain.rollout.local import Sampling
@@ -141,7 +142,7 @@ class VLLMServerEngine:
     def __init__(self, model: nn.Module, model_config, autocast: Callable[[], contextlib.AbstractContextManager],
                  eos_ids: list[int], pad_id: int, device: torch.device, setup: EngineSetup,
                  transport: Callable[[], Transport] = NcclTransport):
-        self.server = Server(setup.vllm_server_url, setup.vllm_server_timeout)
+        self.server = Server(setup.vllm_server.url, setup.vllm_server.timeout)
         self.server.wait()
         self.model_name = self.server.call("/v1/models")["data"][0]["id"]
         layout = hf_layout(model_config)
@@ -150,7 +151,7 @@ class VLLMServerEngine:
         self.eos, self.pad, self.device, self.transport = sorted(set(eos_ids)), pad_id, device, None
         if dist.get_rank() == 0:
             self.transport = transport()
-            self.connect(setup.vllm_group_port)
+            self.connect(setup.vllm_server.group_port)
 
     def rpc(self, method: str, *args: str) -> list:
         """Every server worker's answer to WeightCheck's `method` (string arguments only: /collective_rpc's)."""
@@ -163,7 +164,7 @@ class VLLMServerEngine:
     def connect(self, port: int) -> None:
         """Rank 0 joins the server's weight transfer group."""
         config = self.server.call("/server_info?config_format=json")["vllm_config"]
-        if config.get("weight_transfer_config") is None:
+        if "weight_transfer_config" not in config or config["weight_transfer_config"] is None:  # older vLLM, or off
             raise RunError(f"grpo.vllm_server_url: the server at {self.server.url} has no weight transfer engine; "
                            "start it with --weight-transfer-config '{\"backend\": \"nccl\"}' (docs/grpo.md)")
         workers = self.server.call("/get_world_size")["world_size"]
@@ -205,8 +206,10 @@ class VLLMServerEngine:
         dist.barrier()  # no rank samples before the server holds this step's weights
 
     def fingerprint(self, names: list[str]) -> dict[str, float]:
-        """The first worker's fingerprint that differs from the others' (every worker holds a whole copy)."""
-        results = self.rpc("llmtrain_fingerprint", json.dumps(names))
+        """Collective: the first server worker's fingerprint that differs from the others' (every worker holds a
+        whole copy), asked for by rank 0 and sent to every rank (one all-gather, not one request per rank)."""
+        results = distributed.gather_objects(self.rpc("llmtrain_fingerprint", json.dumps(names))
+                                             if dist.get_rank() == 0 else None)[0]
         return next((r for r in results if r != results[0]), results[0])
 
     def generate(self, prompt_ids, keys, sampling: Sampling) -> Completions:
@@ -218,5 +221,5 @@ class VLLMServerEngine:
             choices = [answer["choices"][0] for answer in pool.map(lambda b: self.server.call("/v1/completions", b),
                                                                    bodies)]
         seconds = time.perf_counter() - t0
-        logps = [c["logprobs"]["token_logprobs"] if c.get("logprobs") else None for c in choices]
+        logps = [None if c["logprobs"] is None else c["logprobs"]["token_logprobs"] for c in choices]
         return listed(cut_at_eos([c["token_ids"] for c in choices], logps, self.eos, self.pad), seconds)
