@@ -6,7 +6,8 @@ of it in the checkpoint, whose model and optimizer state are the student's adapt
 2-rank checkpoint on 1 process continues exactly; the exported adapter/ on the student base (PEFT) gives the
 merged export's logits, 2-rank export against 1-process baseline. With QLoRA (lora.quantize_base=nf4, every
 block linear of the student quantized) 1 process and 2 fsdp2 ranks with accumulation log the same falling
-losses."""
+losses, a run resumed from the 2-rank checkpoint on 1 process continues exactly, and the 2-rank merged export
+gives the 1-process one's logits, its adapter/ loading with PEFT on the student base."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ RUNS = {  # name: (ranks, overrides); global batch 4 rows in each
     "ddp": (2, ("parallel.strategy=ddp", "train.micro_batch_size=2", "checkpoint.every_steps=2")),
     "fsdp2": (2, FSDP2_ACCUM),
     "qlora_none": (1, ("parallel.strategy=none", "lora.quantize_base=nf4")),
-    "qlora_fsdp2": (2, (*FSDP2_ACCUM, "lora.quantize_base=nf4")),
+    "qlora_fsdp2": (2, (*FSDP2_ACCUM, "lora.quantize_base=nf4", "checkpoint.every_steps=2")),
 }
 EVALS = ("none", "fsdp2")  # with eval.every_steps=2 on the validation rows
 
@@ -147,3 +148,48 @@ def test_qlora_student_losses_match_on_one_process_and_two_fsdp2_ranks(runs):
         assert "nf4: 7 block linear weights" in stdout and "full precision:" not in stdout, stdout[-3000:]
     # the 4-bit base is not the LoRA runs' fp32 one: step 1 (the base alone, B = 0) differs
     assert abs(want[1] - losses_by_step(runs["none"])[1]) > 1e-4
+
+
+@pytest.mark.slow
+def test_qlora_student_resumes_exactly_on_one_process_and_exports_as_one_process_does(tmp_path, runs, base):
+    """From step 2 of the 2-rank fsdp2 QLoRA run, on 1 process: steps 3-4 as uninterrupted. Its merged export
+    (LoRA merged onto the dequantized base) gives the 1-process run's logits; adapter/ loads with PEFT onto the
+    student base and differs from the merged export by the base's quantization error alone: on the 7 quantized
+    block linears, the same for the 1-process and the 2-rank run."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "resumed"
+    (out / "checkpoints").mkdir(parents=True)
+    shutil.copytree(runs["qlora_fsdp2"] / "checkpoints" / "step_2", out / "checkpoints" / "step_2")
+    res = run_recipe(out, *lora_args(base, runs["student"], "parallel.strategy=none", "lora.quantize_base=nf4"),
+                     script=DISTILL, torchrun=False)
+    assert "resumed at step 2" in res.stdout
+    got, want = losses_by_step(out), losses_by_step(runs["qlora_fsdp2"])
+    assert sorted(got) == [3, 4] and [got[s] for s in (3, 4)] == pytest.approx([want[3], want[4]], abs=TOL)
+    assert_export_matches(runs["qlora_fsdp2"], save_baseline(runs["qlora_none"]))
+    gaps = [quantization_gap(runs[name], runs["student"]) for name in ("qlora_none", "qlora_fsdp2")]
+    assert sorted(gaps[0]) == sorted(gaps[1]) and len(gaps[0]) == 7, sorted(gaps[0])
+    original = load_file(runs["student"] / "model.safetensors")
+    for key, gap in gaps[0].items():
+        assert (gaps[1][key] - gap).abs().max() < 1e-6, key
+        # original + gap is the dequantized base: each block of 64 (lora.nf4_block_size) of NF4's 16 levels x the
+        # block's scale (the original's blocks: 64 distinct values), which adapters missing from adapter/ would break
+        blocks = (original[key] + gap).flatten().view(-1, 64)
+        levels = (blocks / blocks.abs().amax(1, keepdim=True)).round(decimals=4)
+        assert max(len(row.unique()) for row in levels) <= 16 < len(original[key].flatten()[:64].unique()), key
+
+
+def quantization_gap(run: Path, student: Path) -> dict[str, torch.Tensor]:
+    """{name: merged export - adapter/ merged by PEFT onto the student base} where they differ: the export merges
+    the adapters onto the dequantized NF4 base, PEFT onto the original, so they differ by the base's quantization
+    error on the quantized block linears (whatever the adapters) and nowhere else (to 1e-6)."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    exported = load_file(run / "hf" / "model.safetensors")
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(student), run / "adapter")
+    merged = {k: v.detach() for k, v in peft.merge_and_unload().state_dict().items()}
+    assert exported.keys() <= merged.keys(), sorted(exported.keys() - merged.keys())  # a tied lm_head saved once
+    gaps = {k: exported[k] - merged[k] for k in exported}
+    return {k: gap for k, gap in gaps.items() if gap.abs().max() > 1e-6}

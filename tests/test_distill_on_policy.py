@@ -3,11 +3,11 @@ run's export as the teacher and a smaller inline student on instruction rows: st
 the student's own keyed samples of the rows' prompts (llmtrain.rollout.local in this process) scored by hand
 against the teacher's whole logits; a fraction of 0 is the supervised recipe (step 1 by hand on the data's rows,
 no on-policy metrics) and an off-policy step of a fraction of 0.5 is that step to the letter; the on_policy flag
-of every step is the (train.seed, step) rule, and 1 process and 2 ranks (ddp, fsdp2 with accumulation) log the
-same losses and completion metrics at fractions 1 and 0.5; a run resumed from a 2-rank checkpoint before an
-on-policy step, on 2 ranks of another strategy or on 1 process, continues as the uninterrupted run; the
-refusals (an offline teacher, text rows, trained prompts, packed rows, completions past the models' positions,
-a fraction out of [0, 1]) are one line, exit 2, before any process group."""
+of every step is the (train.seed, step) rule, and 1 process and 2 ranks (ddp, fsdp sampling in lockstep, fsdp2
+with accumulation) log the same losses and completion metrics at fractions 1 and 0.5; a run resumed from a 2-rank
+checkpoint before an on-policy step, on 2 ranks of another strategy or on 1 process, continues as the
+uninterrupted run; the refusals (an offline teacher, text rows, trained prompts, packed rows, completions past the
+models' positions, a fraction out of [0, 1]) are one line, exit 2, before any process group."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ RUNS = {  # name: (ranks, on_policy_fraction, overrides); global batch 4 rows in
     "zero": (1, 0, ("parallel.strategy=none",)),
     "none": (1, 1, ("parallel.strategy=none",)),
     "ddp": (2, 1, ("parallel.strategy=ddp", "train.micro_batch_size=2", "checkpoint.every_steps=2")),
+    "fsdp": (2, 1, ("parallel.strategy=fsdp", "train.micro_batch_size=2")),  # sampling in lockstep
     "fsdp2": (2, 1, FSDP2_ACCUM),
     "half": (1, 0.5, ("parallel.strategy=none",)),
     "half_fsdp2": (2, 0.5, (*FSDP2_ACCUM, "checkpoint.every_steps=2")),
@@ -139,7 +140,7 @@ def test_fraction_zero_is_the_supervised_recipe(runs, base):
 
 @pytest.mark.slow
 def test_on_policy_losses_and_flags_match_across_ranks_strategies_and_accumulation(runs):
-    for want_name, names, fraction in (("none", ("ddp", "fsdp2"), 1.0), ("half", ("half_fsdp2",), 0.5)):
+    for want_name, names, fraction in (("none", ("ddp", "fsdp", "fsdp2"), 1.0), ("half", ("half_fsdp2",), 0.5)):
         want = steps(runs[want_name])
         flags = [want[s]["on_policy"] for s in (1, 2, 3, 4)]
         assert flags == [int(on_policy(7, s, fraction)) for s in range(4)], (want_name, flags)
