@@ -132,8 +132,11 @@ def test_a_killed_rank_is_named_with_the_newest_checkpoint(tmp_path):
         r"newest checkpoint: "
         + re.escape(f"{newest} (a rerun resumes from it) (traceback in {tmp_path / 'errors-rank0.log'})"),
         errors[0]), errors[0]
-    assert "Connection reset by peer" not in res.stderr and "pair.cc" not in res.stderr
-    assert "Connection reset by peer" in (tmp_path / "errors-rank0.log").read_text()
+    # gloo's raw text: "Connection reset by peer", or "Connection closed by peer ... a remote worker crashing" when
+    # its read of the killed rank's socket ends without an error (seen once in a full run)
+    raw = re.compile(r"Connection (reset|closed) by peer")
+    assert not raw.search(res.stderr) and "pair.cc" not in res.stderr
+    assert raw.search((tmp_path / "errors-rank0.log").read_text())
     assert "preemption signal" not in res.stderr  # torchrun's SIGTERM after a death is not a preemption
 
 
