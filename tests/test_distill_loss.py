@@ -1,7 +1,7 @@
 """llmtrain.losses.distill: the chunked KD sums equal an independent full-logits computation (TRL's kl_div
 formulation of the generalized JSD; the top-k bucket from explicit masks) for each loss x temperature x top_k,
 gradients included, with the student's output layer padded beyond the shared vocabulary; student == teacher
-gives 0; the chunk size changes nothing."""
+gives 0; the chunk size changes nothing; the sums are no views (FSDP2 warns on a view its module returns)."""
 
 from __future__ import annotations
 
@@ -108,3 +108,11 @@ def test_no_grad_gives_the_same_sums():
         plain = kd.chunked_kd(lambda x: x @ weight.T, hidden, targets,
                               lambda rows: kd.teacher_dist(teacher_logits[rows], V, 1.0, 0), params, 6, [weight])
     assert torch.allclose(torch.stack(list(plain)), torch.stack([sums.loss.detach(), sums.kd, sums.ce]), atol=1e-5)
+
+
+def test_sums_are_not_views():
+    """The sums are the student's forward output under fully_shard, where FSDP2 warns on a returned view ("an
+    in-place op on this view ... can cause backward to fail"): each is a tensor of its own."""
+    hidden, weight, teacher_logits, targets = setup(4)
+    sums, _ = chunked(hidden, weight, teacher_logits, targets, "jsd", 0.5, 1.0, 0, 0.5, 6)
+    assert [s._base for s in sums] == [None, None, None]

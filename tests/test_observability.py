@@ -4,7 +4,8 @@ generate, --help, and every recipe config under configs/ (configs/accelerate/ is
 
 The end-to-end tests share one 2-process run (module fixture) that also exercises the README's
 hang-debugging launch: TORCH_DISTRIBUTED_DEBUG=INFO, NCCL_DEBUG and torchrun --log-dir/--redirects/--tee/
---local-ranks-filter."""
+--local-ranks-filter. Others: a distillation run under fsdp2 prints no FSDP2 warning; a killed and resumed
+run's metrics.jsonl holds each step once."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import pytest
 import torch
 
 from helpers import RECIPE, REPO, TINY
-from helpers.procs import BIN, finish, launch, read_metrics, run_recipe, start
+from helpers.procs import BIN, finish, launch, losses, read_metrics, run_recipe, run_side_by_side, start
 from llmtrain import metrics as m
 from llmtrain.config import ConfigError, describe, load_config, to_yaml
 from llmtrain.data.__main__ import config_class
@@ -477,3 +478,20 @@ def test_logger_extras_are_installable_names():
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     for name in ("tensorboard", "wandb", "plot"):
         assert extras[name] and set(extras[name]) <= set(extras["dev"]), name
+
+
+# -- what a distillation run prints ------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_distill_under_fsdp2_prints_no_view_warning(tmp_path, base):
+    """FSDP2 warned once per rank that the student's forward "returned a view tensor" (the KD loss, a view of
+    the chunked sums): gone from a 2-rank fsdp2 run's output, whose losses are the 1-process run's."""
+    from helpers.distill import DISTILL, distill_args
+
+    runs = {"fsdp2": (tmp_path / "fsdp2", 2, distill_args(base, "parallel.strategy=fsdp2", "train.micro_batch_size=1",
+                                                           "train.grad_accum_steps=2"), DISTILL),
+            "none": (tmp_path / "none", 1, distill_args(base, "parallel.strategy=none"), DISTILL)}
+    res = run_side_by_side(runs, at_once=2)
+    for name, r in res.items():
+        assert "view tensor" not in r.stdout + r.stderr, (name, r.stderr[-3000:])
+    assert losses(tmp_path / "fsdp2") == pytest.approx(losses(tmp_path / "none"), abs=2e-5)
