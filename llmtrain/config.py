@@ -426,7 +426,8 @@ def _build(cls: type, raw: dict, prefix: str) -> Any:
                 for i, item in enumerate(items):
                     if item is not None and item not in valid:
                         where = f"{dotted}[{i}]" if isinstance(kwargs[key], list) else dotted
-                        raise ConfigError(f"{where} must be {valid}, got {item!r}")
+                        finite = " and finite" if isinstance(item, float) and math.isinf(item) else ""  # > 0 holds
+                        raise ConfigError(f"{where} must be {valid}{finite}, got {item!r}")
     return cls(**kwargs)
 
 

@@ -88,3 +88,11 @@ def print_piped(text: str) -> None:
         sys.stdout.flush()
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to fail at exit's flush
+
+
+def follow_umask(path: Path) -> None:
+    """Give `path` the mode open() gives a new file (0666 less the umask): safetensors' save_file creates its
+    files 0600 whatever the umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)

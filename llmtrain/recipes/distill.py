@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable, Literal, Protocol
 
 import torch
+from transformers import AutoConfig
 
 from llmtrain import data, distributed
 from llmtrain import teacher_logits as stored
@@ -191,8 +192,9 @@ def check_stored(cfg: DistillConfig) -> None:
                  cfg.train.max_steps * global_batch)
 
 
-def check_teacher(cfg: DistillConfig) -> None:
-    """distill.teacher_path: a Hugging Face causal LM with the student's vocabulary."""
+def check_teacher(cfg: DistillConfig, precompute: bool = False) -> None:
+    """distill.teacher_path: a Hugging Face causal LM with the student's vocabulary; precompute: its top-k log-probs
+    are to be stored (the precompute), where top_k 0 is no option."""
     d = cfg.distill
     if d.teacher_path is None:
         raise ConfigError("distill.teacher_path: not set; name the teacher's Hugging Face model directory")
@@ -212,13 +214,25 @@ def check_teacher(cfg: DistillConfig) -> None:
         raise ConfigError(str(e).replace("model.path", "distill.teacher_path", 1)) from None
     check_loss_impl(cfg)
     student_tok = hf.load_tokenizer(cfg.tokenizer.path or cfg.model.path, cfg.model.trust_remote_code)
-    teacher_tok = hf.load_tokenizer(d.teacher_path, cfg.model.trust_remote_code)
+    try:
+        teacher_tok = hf.load_tokenizer(d.teacher_path, cfg.model.trust_remote_code)
+    except ConfigError:
+        raise
+    except (OSError, ValueError) as e:  # transformers' words for a directory without tokenizer files
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"distill.teacher_path: no tokenizer could be loaded from {d.teacher_path} ({first[:200]}); "
+                          "the teacher's directory holds its tokenizer (the student's vocabulary)") from None
     check_vocab(student_tok, teacher_tok, d.teacher_path)
     if d.top_k >= len(student_tok):
+        whole = "" if precompute else ", or 0 for the whole vocabulary"
         raise ConfigError(f"distill.top_k: {d.top_k} is not below the vocabulary's {len(student_tok)} ids; use a "
-                          "smaller k, or 0 for the whole vocabulary")
-    teacher_config = hf.load_model_config(ModelConfig(path=d.teacher_path), teacher_tok)
-    hf.check_seq_len(teacher_config, cfg.data.seq_len)
+                          f"smaller k{whole}")
+    teacher_config = AutoConfig.from_pretrained(d.teacher_path, trust_remote_code=cfg.model.trust_remote_code)
+    if teacher_config.vocab_size < len(teacher_tok):
+        raise ConfigError(f"distill.teacher_path: the teacher's vocab_size is {teacher_config.vocab_size} "
+                          f"({d.teacher_path}/config.json), fewer than the {len(teacher_tok)} tokens of the vocabulary "
+                          "it shares with the student: not a model of this tokenizer")
+    hf.check_seq_len(teacher_config, cfg.data.seq_len, "the teacher's (distill.teacher_path)")
     if d.on_policy_fraction > 0:
         check_completion_room(d, cfg.data.seq_len, {"student's": hf.load_model_config(cfg.model, student_tok),
                                                     "teacher's": teacher_config})
