@@ -150,6 +150,7 @@ def init(section: DistributedConfig) -> DistEnv:
     plain `python recipes/finetune.py` runs the very same code path. With distributed.preflight, reaching
     the store and waiting for every rank are bounded by distributed.preflight_timeout_s (PreflightError)."""
     global _store, _peers
+    pin_threads()
     rank, world, local_rank = _env_int("RANK", 0), world_size_from_env(), local_rank_from_env()
     device, backend = pick_device(section, local_rank)
     if device.type == "cuda":
@@ -176,6 +177,14 @@ def init(section: DistributedConfig) -> DistEnv:
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return DistEnv(rank, world, local_rank, device, backend)
+
+
+def pin_threads() -> None:
+    """One intra-op thread per process unless OMP_NUM_THREADS says otherwise, as torchrun sets it for its ranks
+    (nproc_per_node > 1): a CPU run's numbers depend on the thread count (the order of a matmul's sums), so
+    `python recipes/X.py`, `torchrun --nproc_per_node=1` and N ranks compute alike on any number of cores."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
 
 
 def _attempt_store(raw: dist.Store) -> dist.Store:
