@@ -60,7 +60,7 @@ class TrainState:
     world_size: int = 0
     data: dict = field(default_factory=dict)  # the data position (llmtrain.data make_steps)
     base: dict = field(default_factory=dict)  # LoRA: the frozen base's path and fingerprint (llmtrain.models.lora)
-    identity: dict = field(default_factory=dict)  # the recipe and the data's fingerprint (llmtrain.resume)
+    identity: dict = field(default_factory=dict)  # the recipe and the data's fingerprint (llmtrain.run.resume)
 
 
 def _rng_state() -> dict:

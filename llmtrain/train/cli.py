@@ -10,7 +10,8 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-from llmtrain import checkpoint, data, distributed, export, launch, lock, parallelize
+from llmtrain import checkpoint, data, distributed, export, launch, parallelize
+from llmtrain.run import lock
 from llmtrain import metrics as metrics_lib
 from llmtrain.config import Config, ConfigError, RunError, describe, load_config, to_yaml
 from llmtrain.losses import token as loss_lib
