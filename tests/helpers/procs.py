@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from helpers import RECIPE, TINY, launcher
-from llmtrain.distributed import launcher_children
+from llmtrain.run.failures import launcher_children
 
 BIN = launcher.BIN  # where torchrun, lm_eval, accelerate are
 
