@@ -194,7 +194,7 @@ def sampling_weights(run: Run) -> dict[str, torch.Tensor]:
 
 def export(run: Run, step_dir: str) -> list[Path]:
     """output_dir/hf[/step_dir]; with LoRA, as lora.export says, also output_dir/adapter[/step_dir]. A full disk
-    waits up to checkpoint.export_wait_minutes for space (export_lib.written); if the export still cannot be
+    waits up to checkpoint.export_wait_minutes for space (export_lib.write_until_fits); if the export still cannot be
     written, the error says which checkpoint holds the weights, if any."""
     cfg, env = run.cfg, run.env
     dtype, wait = DTYPES[cfg.checkpoint.export_dtype], cfg.checkpoint.export_wait_minutes
