@@ -252,7 +252,7 @@ class CheckpointConfig:
     """auto: latest complete checkpoint in output_dir, else start fresh | never | a checkpoint path."""
     allow_changes: list[str] = field(default_factory=list)
     """Keys a resume may change although they make it another run (e.g. [train.grad_accum_steps, data.path]);
-    a resume that changes any other such key is refused, naming it (llmtrain/resume.py)."""
+    a resume that changes any other such key is refused, naming it (llmtrain/run/resume.py)."""
     export_every_steps: int = ranged("[0, inf)", default=0)
     """Also write a Hugging Face export to output_dir/hf/step_<N> every N steps; 0 disables."""
     export_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"

@@ -8,7 +8,7 @@ vLLM's (q/k/v and gate/up fused, vocabulary padded to 64, lm_head tied), after w
 back through hf_view equals the trainer's in bf16, the fingerprint equals sync.trainer_fingerprint's and a stale
 copy stops the step (sync.check) until the next push; sleep mode's order (asleep after building and after each
 generate, woken before a push); and the set-up refusals of grpo.engine=vllm (on CPU; on CUDA without the package:
-find_spec faked), one line each naming the key. A real vLLM on a GPU: bench/gpu_engines.py (through bench/gpu.sh)."""
+find_spec faked), one line each naming the key. A real vLLM on a GPU: bench/gpu/engines.py (through bench/gpu.sh)."""
 
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ from llmtrain.rollout.engine import Engine, LocalEngine, completion_metrics
 from llmtrain.rollout.local import Sampling, sample_seed
 from llmtrain.rollout.rows import micro_batches
 from llmtrain.train.build import Run
-from llmtrain.train.source import Batch, BatchSource, Wrapping
+from llmtrain.train.source import Batch, BatchSource, DerivedSource
 from llmtrain.train.step import Share
 from llmtrain.utils import DTYPES
 
@@ -347,7 +347,7 @@ class StoredTeacher:
         use(lambda rows: kd.Dist(logps[rows], ids[rows]))
 
 
-class StoredSource(Wrapping):
+class StoredSource(DerivedSource):
     """The data's micro-batches (a BatchSource), each with its samples' stored teacher values attached
     (stored.LOGPS, stored.IDS), looked up by stream position: the step's first position (samples seen
     before it) + SAMPLE_INDEX."""
@@ -388,7 +388,7 @@ def prompts_of(micro: list[dict]) -> list[list[int]]:
     return out
 
 
-class OnPolicySource(Wrapping):
+class OnPolicySource(DerivedSource):
     """On-policy distillation's batch source (distill.on_policy_fraction > 0): the data's micro-batches (a
     BatchSource) as they are on an off-policy step; on an on-policy step (on_policy()), their rows' prompts
     completed by the student (an Engine; the local one samples under any strategy, llmtrain.rollout.local),
