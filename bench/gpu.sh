@@ -23,7 +23,7 @@
 #      H200: 989.4 bf16 TFLOP/s dense) are the recipe's own metrics, after 10 warm-up steps.
 #   4. GRPO engines (bench/gpu/engines.py, no `datasets` needed): the same model (bf16, random init), 16 rows
 #      (2 demo prompts x G 8) of 128 tokens, generated tokens/s of HF generate (the baseline), then each
-#      grpo.engine (local, transformers, vllm; vllm skipped with a line when not importable) built through the
+#      rollout.engine (local, transformers, vllm; vllm skipped with a line when not importable) built through the
 #      registry, its weights pushed and fingerprint-checked as recipes/grpo.py does; a table and the line
 #      "vllm / hf generate: R x (target >= 5x ...)"; also $RESULTS/engines/results.json
 #   5. GRPO (recipes/grpo.py, needs `datasets`): one run per engine (vllm when importable), the same model
@@ -128,7 +128,7 @@ fi
 fi
 
 if wanted grpo; then
-echo "== grpo: recipes/grpo.py per grpo.engine on the $CONFIG model, demo prompts, G 8, 128 new tokens, 4 steps"
+echo "== grpo: recipes/grpo.py per rollout.engine on the $CONFIG model, demo prompts, G 8, 128 new tokens, 4 steps"
 # Needs `datasets` (prompts go through llmtrain.data); generation vs training time from its metrics.jsonl.
 engines=(local transformers)
 if $PY -c "import vllm" 2>/dev/null; then engines+=(vllm); else echo "-- grpo vllm: skipped, vllm not importable"; fi
@@ -148,7 +148,7 @@ for engine in "${engines[@]}"; do
       --config "$CONFIG" output_dir="$out" "${EXTRA[@]}" data.path=data/demo/prompts.jsonl data.format=prompt \
       data.seq_len=64 train.max_steps=4 train.micro_batch_size=16 grpo.num_generations=8 \
       grpo.max_completion_length=128 "grpo.reward_funcs=[llmtrain.rewards:format_regex]" checkpoint.resume=never \
-      grpo.engine="$engine" >"$out.log" 2>&1
+      rollout.engine="$engine" >"$out.log" 2>&1
   echo "-- grpo $engine: exit $?; generation vs step time per step:"
   $PY -c "import json,sys; [print(f'   step {r[\"step\"]}: generation {r[\"generation_s\"]:.2f}s of {r[\"step_time_s\"]:.2f}s, {r[\"generated_tokens_per_s\"]:.0f} generated tok/s, mem {r[\"mem_gb\"]:.1f} GB') for r in map(json.loads, open(sys.argv[1])) if 'loss' in r]" "$out/metrics.jsonl" 2>/dev/null || tail -n 5 "$out.log"
 done

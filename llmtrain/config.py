@@ -341,6 +341,11 @@ class Config:
     """Where metrics, checkpoints and the HF export go."""
 
 
+# Keys that moved to another section: refused with one line naming the new key.
+MOVED = {f"grpo.{key}": f"rollout.{key}" for key in ("engine", "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode",
+                                                     "vllm_server_url", "vllm_server_timeout", "vllm_group_port")}
+
+
 def _suggest(key: str, valid: list[str]) -> str:
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(valid)}"
@@ -411,6 +416,8 @@ def _build(cls: type, raw: dict, prefix: str) -> Any:
     kwargs = {}
     for key, value in raw.items():
         dotted = f"{prefix}{key}"
+        if key not in names and dotted in MOVED:
+            raise ConfigError(f"{dotted} moved to {MOVED[dotted]}")
         if key not in names:
             raise ConfigError(f"unknown config key '{dotted}'{_suggest(dotted, [prefix + n for n in names])}")
         key = names[key]

@@ -107,7 +107,7 @@ def main() -> int:
     p.add_argument("--length", type=int, default=128, help="tokens per completion at most")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--engines", nargs="+", default=["hf", "local", "transformers", "vllm"])
-    p.add_argument("--vllm-memory", type=float, default=0.5, help="grpo.vllm_gpu_memory_utilization")
+    p.add_argument("--vllm-memory", type=float, default=0.5, help="rollout.vllm_gpu_memory_utilization")
     p.add_argument("--out", default="outputs/bench-gpu/engines", help="results.json and vLLM's scratch files")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU, 16 tokens, 1 repeat")
     args = p.parse_args()

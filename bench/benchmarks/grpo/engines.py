@@ -14,7 +14,7 @@ Prints, in markdown:
   completions (token for token), after a short warm-up generation;
 - the ceiling: a decode step's cost fitted as F + r x rows (1 row and all rows, whole length) and the most
   compaction can give with it for these lengths, and how small F would have to be for 1.5x;
-- the engines (unless --no-engines): grpo.engine `local` vs `transformers` (continuous batching) vs transformers'
+- the engines (unless --no-engines): rollout.engine `local` vs `transformers` (continuous batching) vs transformers'
   generate (TRL's sampler), the EOS hazard off, each with the weights pushed as recipes/grpo.py pushes them, in
   alternating order, per call and median.
 --quick: 64 tokens, 2 prompts, 1 repeat (a smoke run: it checks that the script works, its timings mean nothing).
@@ -141,7 +141,7 @@ def ceiling(model, tok, rows, keys, steps: int, state: dict, work_a: int, work_b
 
 
 def engines(model, tok, rows: list[list[int]], keys: list[tuple[int, ...]], sampling: Sampling, repeats: int) -> None:
-    """grpo.engine local vs transformers (and transformers' generate, TRL's sampler), each with the weights pushed
+    """rollout.engine local vs transformers (and transformers' generate, TRL's sampler), each with the weights pushed
     as recipes/grpo.py pushes them, in alternating order (A B C, then C B A, ...); the model's own EOS only."""
     from gpu.engines import hf_generate, process_group, pushed_engine
 
