@@ -47,6 +47,8 @@ def test_empty_files_are_named_at_setup(tmp_path, content, message):
     (b'{"text": "a broken line\n', "malformed JSON"),
     (b'{"text": "caf\xe9 latin-1"}\n', r"not UTF-8 \(byte 0xe9 at column 14\)"),
     (b"[1, 2]\n", "not a JSON object"),
+    (b'{"text": "a \\ud800 b"}\n', r"field 'text' holds a lone surrogate escape \(\\ud800\): not valid Unicode"),
+    (b'{"text": "x", "meta": {"tags": ["ok", "\\udfff"]}}\n', r"field 'meta.tags\[1\]' holds a lone surrogate"),
 ])
 def test_a_bad_line_is_skipped_or_stops_naming_its_line(tmp_path, tok, bad_line, reason):
     """Line 101 is the bad one (1-based, blank lines counted): skipped and counted with its file:line, or
@@ -65,6 +67,25 @@ def test_streaming_names_a_bad_line_too(tmp_path, tok):
     assert len(rows) > 0
     with pytest.raises(ConfigError, match=rf"^{path}, line 101: malformed JSON"):
         list(StreamingRows(DataConfig(path=path, seq_len=16, streaming=True, strict=True), tok, 0, 0, 1).rows(0))
+
+
+def test_a_lone_surrogate_is_a_bad_record_when_streaming_and_in_python_m_llmtrain_data(tmp_path, tok, capsys):
+    """A JSON escape of half a surrogate pair decodes to a str no tokenizer takes: named like any bad record,
+    streamed or inspected, never a TypeError (a valid pair is kept)."""
+    from llmtrain.data.__main__ import main
+
+    path = write(tmp_path / "data.jsonl", GOOD + '{"text": "a \\ud800 b"}\n' + '{"text": "\\ud83d\\ude00"}\n' + GOOD)
+    rows = list(StreamingRows(DataConfig(path=path, seq_len=16, streaming=True), tok, 0, 0, 1).rows(0))
+    assert len(rows) > 0
+    with pytest.raises(ConfigError, match=rf"^{path}, line 101: field 'text' holds a lone surrogate escape"):
+        list(StreamingRows(DataConfig(path=path, seq_len=16, streaming=True, strict=True), tok, 0, 0, 1).rows(0))
+    args = ["--config", str(TINY), "--json", f"data.path={path}", "data.seq_len=16"]
+    assert main(args) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["num_examples"] == 201 and summary["skipped"] == 1
+    assert main([*args, "data.strict=true"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"{path}, line 101: field 'text' holds a lone surrogate escape" in err
 
 
 def test_bad_record_line_counts_blank_lines(tmp_path, tok):
