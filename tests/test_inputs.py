@@ -14,7 +14,7 @@ import yaml
 from transformers import AutoTokenizer, GPT2Config, LlamaConfig, LlamaForCausalLM
 
 from helpers import REPO, TINY
-from helpers.procs import finish, start
+from helpers.procs import finish, run_recipe, start
 from llmtrain.config import ConfigError, DataConfig, ModelConfig
 from llmtrain.data import MapSteps, StreamingRows, build, check
 from llmtrain.models import hf as model_lib
@@ -93,6 +93,33 @@ def test_bad_record_line_counts_blank_lines(tmp_path, tok):
     path = write(tmp_path / "data.jsonl", GOOD + "\n\n" + json.dumps({"text": 3}) + "\n")
     with pytest.raises(ConfigError, match=rf"{path}, line 103: field 'text' is int"):
         build(DataConfig(path=path, seq_len=16, strict=True), tok, seed=0)
+
+
+@pytest.mark.parametrize("fmt,path", [("text", "data/demo/val.jsonl"), ("instruction", "data/demo/instruct.jsonl")])
+def test_a_seq_len_that_trains_no_token_is_named_with_the_smallest_that_does(tok, fmt, path):
+    """data.seq_len=1 (or rows that hold only prompts) trains nothing: the data says why, naming the smallest
+    data.seq_len that trains a token, which does (a run refuses it: the test below)."""
+    def untrained(seq_len: int) -> str:
+        return build(DataConfig(path=str(REPO / path), format=fmt, seq_len=seq_len), tok, seed=0).stats.untrained
+
+    assert untrained(1).startswith("data.seq_len=1 leaves no trained token in any row: ")
+    smallest = int(re.search(r"the smallest data.seq_len that trains anything on this data is (\d+)$",
+                             untrained(1)).group(1))
+    assert smallest == 2 if fmt == "text" else smallest > 2
+    assert untrained(smallest - 1).startswith(f"data.seq_len={smallest - 1} leaves no trained token")
+    assert untrained(smallest) == ""
+    rows = build(DataConfig(path=str(REPO / path), format=fmt, seq_len=smallest), tok, seed=0).train
+    assert sum(int((row["labels"][1:] != -100).sum()) for row in rows) > 0
+
+
+@pytest.mark.slow
+def test_a_run_that_would_train_no_token_exits_2_exporting_nothing(tmp_path):
+    res = run_recipe(tmp_path, "data.seq_len=1", check=False)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert ("error: data.seq_len=1 leaves no trained token in any row: a row's first token is never predicted"
+            in res.stderr) and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert "the smallest data.seq_len that trains anything on this data is 2" in res.stderr
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "metrics.jsonl").exists()
 
 
 def test_save_to_disk_directory_is_loaded(tmp_path, tok):

@@ -22,7 +22,7 @@ import torch
 from torch.distributed import ReduceOp
 
 from llmtrain import data, distributed, rewards
-from llmtrain.config import Config, ConfigError, ranged
+from llmtrain.config import Config, ConfigError, input_path, ranged
 from llmtrain.data import IGNORE, SAMPLE_INDEX
 from llmtrain.losses import policy
 from llmtrain.losses.token import next_token_targets
@@ -90,7 +90,7 @@ class GRPOSection:
     Dr. GRPO's recommendation)."""
     mask_truncated_completions: bool = False
     """Leave completions that reached max_completion_length without an EOS out of the loss (DAPO)."""
-    reward_funcs: list[str] = field(default_factory=list)
+    reward_funcs: list[str] = input_path(rewards.file_of, default_factory=list)
     """Reward functions, "package.module:function" or "path/to/file.py:function", each called as TRL does:
     f(prompts, completions, completion_ids, **columns) -> list[float | None]. Built-ins:
     llmtrain.rewards:exact_answer, llmtrain.rewards:format_regex."""
