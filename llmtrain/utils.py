@@ -88,3 +88,9 @@ def print_piped(text: str) -> None:
         sys.stdout.flush()
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to fail at exit's flush
+
+
+def nesting(path: Path, other: Path) -> str | None:
+    """How resolved `path` stands to resolved `other`: "is", "lies inside", "holds", or None when apart."""
+    return "is" if path == other else "lies inside" if other in path.parents else \
+        "holds" if path in other.parents else None

@@ -19,7 +19,7 @@ from llmtrain.models import hf as model_lib
 from llmtrain.models import lora, nf4
 from llmtrain.train import harness
 from llmtrain.train.loop import Preempted
-from llmtrain.utils import print_piped
+from llmtrain.utils import nesting, print_piped
 
 
 def parse_args(argv: list[str] | None, usage: str) -> argparse.Namespace:
@@ -69,9 +69,7 @@ def check_apart(output_dir: str, inputs: dict[str, str]) -> None:
             place = Path(found).resolve()
             if not place.exists():
                 continue
-            how = "is" if out == place else "lies inside" if place in out.parents else \
-                "holds" if out in place.parents else None
-            if how:
+            if how := nesting(out, place):
                 raise ConfigError(f"output_dir={output_dir} {how} {key}={found}: a run writes its config.yaml, "
                                   "metrics, checkpoints and export (hf/, replaced) there; give the run an "
                                   "output_dir apart from its inputs")
