@@ -8,7 +8,7 @@ import typing
 
 import pytest
 
-from helpers import RECIPE, TINY, recipe_configs
+from helpers import REPO, RECIPE, TINY, recipe_configs
 from helpers.procs import launch
 from llmtrain.config import ConfigError, Range, describe, load_config, to_yaml
 from llmtrain.recipes.dpo import DPOConfig
@@ -89,6 +89,8 @@ def test_every_key_is_described():
     (["parallel.strategy=ddp", "train.loss_impl=liger"], ["train.loss_impl=liger", "on cpu", "loss_impl=chunked"]),
     (["model.config.num_hidden_layerz=3"], ["unknown config key 'model.config.num_hidden_layerz'",
                                             "did you mean 'model.config.num_hidden_layers'"]),
+    (["model.config=null", f"model.path={REPO / 'README.md'}"],
+     [f"model.path: {REPO / 'README.md'} is a file, not a directory (name the directory that holds it)"]),
 ])
 def test_cli_errors_exit_2_at_set_up(tmp_path, run_setup, args, words):
     """As each of 2 ranks sees it (WORLD_SIZE=2), in this process: set-up stops before the process group."""

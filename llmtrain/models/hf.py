@@ -70,6 +70,8 @@ def check_dir(key: str, path: str | None) -> None:
         return
     local = Path(path)
     looks_local = local.is_absolute() or path.startswith(".") or local.exists() or path.count("/") != 1
+    if looks_local and local.exists() and not local.is_dir():
+        raise ConfigError(f"{key}: {path} is a file, not a directory (name the directory that holds it)")
     if looks_local and not local.is_dir():
         raise ConfigError(f"{key}: no such directory: {path}")
 
