@@ -60,11 +60,7 @@ def ranged(interval: str, **field_kwargs: Any) -> Any:
     return field(metadata={"range": Range.parse(interval)}, **field_kwargs)
 
 
-def read_path(value: str) -> str:
-    return value
-
-
-def input_path(path_of: typing.Callable[[str], str | None] = read_path, **field_kwargs: Any) -> Any:
+def input_path(path_of: typing.Callable[[str], str | None] = str, **field_kwargs: Any) -> Any:
     """A dataclass field naming a file or directory the run reads (each item, for a list; `path_of` gives the path
     within a value, None when it names none): no run writes where one lies (input_paths; checked at set-up)."""
     return field(metadata={"input": path_of}, **field_kwargs)
