@@ -56,6 +56,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import re
 import resource
 import sys
@@ -291,24 +292,25 @@ class WandbSink:
         self.run.finish()
 
 
-def drop_torn_tail(path: Path) -> None:
-    """Cut a partial last line (a run killed while writing it), so appended records start on their own line."""
+def keep_steps_up_to(path: Path, step: int) -> None:
+    """Before a run resumed at `step` appends: keep only the records of steps <= step, so that the steps it
+    logs again (those between its checkpoint and the interruption, training and eval records alike) are in
+    the file once, as this run logs them; a torn last line (a run killed while writing it) goes too. Written
+    beside and renamed over the file: a crash meanwhile leaves the old file or the new one."""
     if not path.is_file():
         return
-    with open(path, "rb+") as f:
-        end = f.seek(0, 2)
-        pos = end
-        while pos > 0:
-            size = min(1 << 16, pos)
-            f.seek(pos - size)
-            block = f.read(size)
-            cut = block.rfind(b"\n")
-            if cut >= 0:
-                if pos - size + cut + 1 < end:
-                    f.truncate(pos - size + cut + 1)
-                return
-            pos -= size
-        f.truncate(0)
+    kept = []
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:  # torn (or not a record): only ever the last line
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+                kept.append(line if line.endswith(b"\n") else line + b"\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(b"".join(kept))
+    os.replace(tmp, path)
 
 
 class MetricsLogger:
@@ -328,7 +330,7 @@ class MetricsLogger:
         out = Path(output_dir)
         out.mkdir(parents=True, exist_ok=True)
         if append:
-            drop_torn_tail(out / METRICS_FILE)
+            keep_steps_up_to(out / METRICS_FILE, start_step)
         self.file = open(out / METRICS_FILE, "a" if append else "w")
         if progress and sys.stderr.isatty():
             from tqdm import tqdm

@@ -32,7 +32,8 @@ from typing import NamedTuple
 import torch
 
 from llmtrain.config import ConfigError, DataConfig, to_dict
-from llmtrain.resume import data_fingerprint
+from llmtrain.run.resume import data_fingerprint
+from llmtrain.utils import follow_umask
 
 KEY = "distill.teacher_logits"
 MANIFEST = "manifest.json"
@@ -81,6 +82,7 @@ def file_sha256(path: Path) -> str:
 
 
 AGAIN = "; run python -m llmtrain.tools.distill_precompute with this run's config"
+MANIFEST_KEYS = (*Expected._fields, "samples", "shards")  # what check reads besides the version
 
 
 def read_manifest(directory: str) -> dict:
@@ -88,11 +90,15 @@ def read_manifest(directory: str) -> dict:
     if not root.is_dir():
         raise ConfigError(f"{KEY}: no such directory: {directory}{AGAIN} first")
     try:
-        return json.loads((root / MANIFEST).read_text())
+        manifest = json.loads((root / MANIFEST).read_text())
     except FileNotFoundError:
         raise ConfigError(f"{KEY}: {directory} has no {MANIFEST} (not a complete precompute){AGAIN}") from None
     except ValueError as e:
         raise ConfigError(f"{KEY}: {root / MANIFEST} is not valid JSON ({e}){AGAIN}") from None
+    if not isinstance(manifest, dict):
+        raise ConfigError(f"{KEY}: {root / MANIFEST} holds a JSON {type(manifest).__name__}, not a precompute's "
+                          f"manifest (an object){AGAIN}")
+    return manifest
 
 
 def check(directory: str, want: Expected, samples: int) -> dict:
@@ -103,6 +109,8 @@ def check(directory: str, want: Expected, samples: int) -> dict:
     if manifest.get("version") != VERSION:
         raise ConfigError(f"{KEY}: {root / MANIFEST} is version {manifest.get('version')}, this llmtrain reads "
                           f"{VERSION}{AGAIN}")
+    if missing := [k for k in MANIFEST_KEYS if k not in manifest]:
+        raise ConfigError(f"{KEY}: {root / MANIFEST} lacks {', '.join(missing)} (not a precompute's manifest){AGAIN}")
     if manifest["data"] != want.data:
         raise ConfigError(f"{KEY}: {directory} was computed from other data (fingerprint {manifest['data']}; this "
                           f"run's data files have {want.data}){AGAIN}")
@@ -185,6 +193,7 @@ class Shard:
                    "logps": torch.cat(self.logps) if self.logps else torch.zeros(0, top_k + 1),
                    "ids": torch.cat(self.ids) if self.ids else torch.zeros(0, top_k, dtype=torch.int32)}
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+        follow_umask(path)
         _fsync(path)
         return {"file": path.name, "sha256": file_sha256(path), "samples": len(tensors["positions"]),
                 "tokens": len(tensors["logps"])}

@@ -90,6 +90,14 @@ def print_piped(text: str) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to fail at exit's flush
 
 
+def follow_umask(path: Path) -> None:
+    """Give `path` the mode open() gives a new file (0666 less the umask): safetensors' save_file creates its
+    files 0600 whatever the umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def nesting(path: Path, other: Path) -> str | None:
     """How resolved `path` stands to resolved `other`: "is", "lies inside", "holds", or None when apart."""
     return "is" if path == other else "lies inside" if other in path.parents else \

@@ -4,13 +4,17 @@ generate, --help, and every recipe config under configs/ (configs/accelerate/ is
 
 The end-to-end tests share one 2-process run (module fixture) that also exercises the README's
 hang-debugging launch: TORCH_DISTRIBUTED_DEBUG=INFO, NCCL_DEBUG and torchrun --log-dir/--redirects/--tee/
---local-ranks-filter."""
+--local-ranks-filter. Others: a distillation run under fsdp2 prints no FSDP2 warning; a killed and resumed
+run's metrics.jsonl holds each step once."""
 
 from __future__ import annotations
 
 import importlib.util
 import io
 import json
+import os
+import re
+import signal
 import socket
 import struct
 import subprocess
@@ -23,7 +27,8 @@ import pytest
 import torch
 
 from helpers import RECIPE, REPO, TINY
-from helpers.procs import BIN, finish, launch, read_metrics, run_recipe, start
+from helpers.procs import (BIN, finish, launch, losses, read_metrics, run_recipe, run_side_by_side, start,
+                           wait_for_step)
 from llmtrain import metrics as m
 from llmtrain.config import ConfigError, describe, load_config, to_yaml
 from llmtrain.data.__main__ import config_class
@@ -303,6 +308,28 @@ def test_plot_draws_every_key_grpo_logs_under_its_own_titles(tmp_path):
     assert plot.main([str(tmp_path)]) == 0
 
 
+def test_a_resumed_run_keeps_each_step_once(tmp_path):
+    """Resumed at step 3 (its checkpoint) after logging steps 4-5 and an eval at 4: the records of steps > 3
+    (training and eval) are dropped before the resumed run logs those steps again, so each is there once, the
+    resumed run's; so is a torn last line. A fresh run (no resume) starts the file over."""
+    from llmtrain import plot
+
+    path = tmp_path / m.METRICS_FILE
+    old = [{"step": s, "loss": 5.0 - s} for s in (1, 2)] + [{"step": 2, "val_loss": 4.5}, {"step": 3, "loss": 2.0}]
+    stale = [{"step": 4, "loss": 1.0}, {"step": 4, "val_loss": 3.5}, {"step": 5, "loss": 0.5}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in old + stale) + '{"step": 6, "lo')
+    logger = m.MetricsLogger(str(tmp_path), True, 10, 3, False, append=True)
+    new = [{"step": 4, "loss": 1.25}, {"step": 4, "val_loss": 3.25}, {"step": 5, "loss": 0.75}]
+    for r in new:
+        logger.log(r)
+    logger.close()
+    assert read_metrics(tmp_path) == old + new
+    assert plot.series(plot.read_records(path), "loss") == ([1, 2, 3, 4, 5], [4.0, 3.0, 2.0, 1.25, 0.75])
+    assert not (tmp_path / (m.METRICS_FILE + ".tmp")).exists()
+    m.MetricsLogger(str(tmp_path), True, 10, 0, False).close()
+    assert path.read_text() == ""
+
+
 # -- one real 2-process run with every logger on ----------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -477,3 +504,49 @@ def test_logger_extras_are_installable_names():
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     for name in ("tensorboard", "wandb", "plot"):
         assert extras[name] and set(extras[name]) <= set(extras["dev"]), name
+
+
+# -- what a distillation run prints ------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_distill_under_fsdp2_prints_no_view_warning(tmp_path, base):
+    """FSDP2 warned once per rank that the student's forward "returned a view tensor" (the KD loss, a view of
+    the chunked sums): gone from a 2-rank fsdp2 run's output, whose losses are the 1-process run's."""
+    from helpers.distill import DISTILL, distill_args
+
+    runs = {"fsdp2": (tmp_path / "fsdp2", 2, distill_args(base, "parallel.strategy=fsdp2", "train.micro_batch_size=1",
+                                                           "train.grad_accum_steps=2"), DISTILL),
+            "none": (tmp_path / "none", 1, distill_args(base, "parallel.strategy=none"), DISTILL)}
+    res = run_side_by_side(runs, at_once=2)
+    for name, r in res.items():
+        assert "view tensor" not in r.stdout + r.stderr, (name, r.stderr[-3000:])
+    assert losses(tmp_path / "fsdp2") == pytest.approx(losses(tmp_path / "none"), abs=2e-5)
+
+
+@pytest.mark.slow
+def test_a_killed_and_resumed_run_logs_each_step_once(tmp_path):
+    """kill -9 after the steps past its checkpoint were logged (training and eval records), then resumed: every
+    step's records are in metrics.jsonl once, the checkpoint's steps as first logged and the later ones as the
+    resumed run logs them; plot reads it."""
+    from llmtrain import plot
+    from llmtrain.checkpoint import complete_checkpoints
+
+    args = ("checkpoint.every_steps=4", "eval.every_steps=1", "data.val_fraction=0.1", "train.lr_schedule=constant")
+    proc = start([RECIPE, "--config", TINY, f"output_dir={tmp_path}", "train.max_steps=1000", *args])
+    wait_for_step(tmp_path, 6, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    (saved, _), *_ = complete_checkpoints(tmp_path / "checkpoints")[::-1]
+    before = read_metrics(tmp_path)
+    last = max(r["step"] for r in before)
+    assert saved < last, (saved, last)  # steps logged past the checkpoint: the resumed run logs them again
+    res = run_recipe(tmp_path, f"train.max_steps={last + 1}", *args)
+    assert f"resumed at step {saved}" in res.stdout
+    after = read_metrics(tmp_path)
+    assert [r for r in after if r["step"] <= saved] == [r for r in before if r["step"] <= saved]
+    steps = list(range(1, last + 2))
+    assert [r["step"] for r in after if "loss" in r] == steps and [r["step"] for r in after if "val_loss" in r] == steps
+    printed = {int(step): loss for step, loss in re.findall(r"(?m)^step (\d+)/\d+ loss=(\S+)", res.stdout)}
+    assert {r["step"]: f"{r['loss']:.4g}" for r in after if "loss" in r and r["step"] > saved} == printed
+    assert plot.series(plot.read_records(tmp_path / "metrics.jsonl"), "loss")[0] == steps
+    assert plot.main([str(tmp_path)]) == 0

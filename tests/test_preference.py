@@ -217,14 +217,14 @@ def test_losses_and_metrics_equal_the_published_formulas(loss, beta, eps, gamma,
     rows = published(loss, beta, eps, gamma, pi, ref_plain, n)
     B = len(rows)
     chosen_nll = -sum(pi[:B]) / sum(n[:B])  # the SFT term: mean NLL over every chosen response token
-    assert value == pytest.approx(sum(r[0] for r in rows) / B + sft * chosen_nll, abs=1e-5)
+    assert value == pytest.approx(sum(r[0] for r in rows) / B + sft * chosen_nll, rel=1e-5, abs=1e-5)
     want = {"rewards/chosen": sum(r[1] for r in rows) / B, "rewards/rejected": sum(r[2] for r in rows) / B,
             "rewards/accuracies": sum(r[1] > r[2] for r in rows) / B,
             "rewards/margins": sum(r[1] - r[2] for r in rows) / B,
             "logps/chosen": sum(r[3] for r in rows) / B, "logps/rejected": sum(r[4] for r in rows) / B}
     assert set(got) == set(want)
     for name in want:
-        assert got[name] == pytest.approx(want[name], abs=1e-5), name
+        assert got[name] == pytest.approx(want[name], rel=1e-5, abs=1e-5), name
     assert 0 < want["rewards/accuracies"] < 1  # the batch exercises both outcomes
 
 
@@ -263,8 +263,8 @@ def test_any_split_gives_the_loss_metrics_and_gradients_of_the_whole_batch(tok, 
 
     whole = run([(0, 6)])
     split = run([(0, 1), (1, 3), (3, 6)])
-    assert split[0] == pytest.approx(whole[0], abs=1e-6)
-    assert split[1] == pytest.approx(whole[1], abs=1e-5)
+    assert split[0] == pytest.approx(whole[0], rel=1e-5, abs=1e-6)
+    assert split[1] == pytest.approx(whole[1], rel=1e-5, abs=1e-5)
     for a, b in zip(split[2], whole[2]):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 

@@ -159,7 +159,9 @@ class _ChunkedKD(torch.autograd.Function):
             sums += torch.stack([loss.detach(), kd, ce])
         ctx.save_for_backward(grad_hidden, *(g for g in grad_leaves if g is not None))
         ctx.trained, ctx.n_leaves = trained, len(leaves)
-        loss, kd, ce = sums.unbind()
+        # Three tensors of their own, not views of `sums`: the loss is the student's forward output under
+        # fully_shard, and FSDP2 warns on every view it returns (an in-place op on one would skip its hook).
+        loss, kd, ce = (s.clone() for s in sums.unbind())
         ctx.mark_non_differentiable(kd, ce)
         return loss, kd, ce
 

@@ -124,12 +124,12 @@ def check_weights(path: Path) -> None:
                               "download it again") from None
 
 
-def check_seq_len(config: PretrainedConfig, seq_len: int) -> None:
+def check_seq_len(config: PretrainedConfig, seq_len: int, whose: str = "the model's") -> None:
     """Positions past max_position_embeddings were never trained (and some families index past their table)."""
     limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and seq_len > limit:
-        raise ConfigError(f"data.seq_len={seq_len} is longer than the model's max_position_embeddings={limit}; "
-                          "lower data.seq_len (or extend the model's context in its config first)")
+        raise ConfigError(f"data.seq_len={seq_len} is longer than {whose} max_position_embeddings={limit}; "
+                          "lower data.seq_len (or extend that context in its config first)")
 
 
 def load_tokenizer(path: str, trust_remote_code: bool):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import signal
 import time
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from llmtrain import teacher_logits as stored
 from llmtrain.config import ConfigError, load_config
 from llmtrain.losses.token import next_token_targets
 from llmtrain.models import hf, lora
+from llmtrain.run import failures
 from llmtrain.recipes.distill import DistillConfig, Teacher, check_teacher, check_top_k_stored
 from llmtrain.train.cli import exit_code, fail
 
@@ -45,8 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def setup(args: argparse.Namespace) -> DistillConfig:
     """Bad input, before any process group: the teacher, top_k, the data, the output directory."""
     cfg = load_config(args.config, args.overrides, DistillConfig)
-    check_teacher(cfg)
     check_top_k_stored(cfg, "precomputed")
+    check_teacher(cfg, precompute=True)
     hf.check_paths(cfg.model, cfg.tokenizer.path)
     data.check(cfg.data)
     out = Path(args.out)
@@ -99,6 +101,33 @@ def precompute(cfg: DistillConfig, env: distributed.DistEnv, out: Path, samples:
     return manifest
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Stopped(Exception):
+    """A stop signal (torchrun's SIGTERM to the others when a rank dies, a scheduler's, Ctrl-C)."""
+
+
+def _stop(signum, _frame) -> None:
+    for sig in STOP_SIGNALS:  # once: a second signal must not interrupt the line and the shutdown
+        signal.signal(sig, signal.SIG_IGN)
+    raise Stopped(signal.Signals(signum).name)
+
+
+def stopped_line(e: BaseException, rank: int, out: Path) -> str | None:
+    """The one line of a precompute stopped by a signal or by a lost peer (None for any other error): who ended
+    and that nothing was written (the directory appears complete or not at all)."""
+    if isinstance(e, Stopped):
+        dead = failures.dead_peers()
+        why = f"stopped by {e}" + (f" ({'; '.join(f'rank {r} {how}' for r, how in dead.items())})" if dead else "")
+        line = f"error (rank {rank}): distill_precompute {why}"
+    elif lost := failures.lost_peer(e, rank):
+        line = f"error: {lost}"
+    else:
+        return None
+    return f"{line}; {out} was not written (it appears only when complete): run the command again"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -106,11 +135,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         return fail(f"error: {e}", 2, once=True)
     env = distributed.init(cfg.distributed)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _stop)
     try:
         precompute(cfg, env, Path(args.out), args.samples)
         return exit_code(0)
     except ConfigError as e:
         return fail(f"error: {e}", 2, once=True)
+    except (Stopped, RuntimeError) as e:
+        if line := stopped_line(e, env.rank, Path(args.out)):
+            return fail(line, 1)
+        raise
     finally:
         distributed.shutdown()
 
