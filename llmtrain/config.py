@@ -60,9 +60,22 @@ def ranged(interval: str, **field_kwargs: Any) -> Any:
     return field(metadata={"range": Range.parse(interval)}, **field_kwargs)
 
 
+def input_path(path_of: typing.Callable[[str], str | None] = str, **field_kwargs: Any) -> Any:
+    """A dataclass field naming a file or directory the run reads (each item, for a list; `path_of` gives the path
+    within a value, None when it names none): no run writes where one lies (input_paths; checked at set-up)."""
+    return field(metadata={"input": path_of}, **field_kwargs)
+
+
+TEMPLATE_FILES = (".jinja", ".json")  # a data.chat_template ending so names a file; any other value is Jinja text
+
+
+def template_file(value: str) -> str | None:
+    return value if value.endswith(TEMPLATE_FILES) else None
+
+
 @dataclass
 class ModelConfig:
-    path: str | None = None
+    path: str | None = input_path(default=None)
     """Local Hugging Face model directory (or hub id when online): config, weights, tokenizer."""
     config: dict | None = None
     """Inline Llama config (transformers LlamaConfig kwargs) for a randomly initialised model."""
@@ -75,7 +88,7 @@ class ModelConfig:
 
 @dataclass
 class TokenizerConfig:
-    path: str | None = None
+    path: str | None = input_path(default=None)
     """Tokenizer directory; defaults to model.path."""
 
 
@@ -86,7 +99,7 @@ FormatName = Literal["text", "instruction", "chat", "preference", "prompt"]
 
 @dataclass
 class SourceConfig:
-    path: str = ""
+    path: str = input_path(default="")
     """A file, glob or directory."""
     format: FormatName = "text"
     """How this source's records become tokens and labels."""
@@ -96,7 +109,7 @@ class SourceConfig:
 
 @dataclass
 class DataConfig:
-    path: str = ""
+    path: str = input_path(default="")
     """Training data: a file, a glob or a directory (jsonl/json/parquet/csv/txt); or use data.sources."""
     format: FormatName = "text"
     """text: raw documents; instruction: Alpaca-style records; chat: messages (OpenAI or ShareGPT style);
@@ -104,7 +117,7 @@ class DataConfig:
     prompts, text or messages, the other columns passed to the reward functions (recipes/grpo.py)."""
     sources: list[SourceConfig] | None = None
     """Several sources mixed by weight: [{path, format, weight}, ...] (instead of data.path/format)."""
-    chat_template: str | None = None
+    chat_template: str | None = input_path(template_file, default=None)
     """The chat template the chat and preference formats render with: Jinja text, or a .jinja file, or a .json
     file with a chat_template key (a tokenizer_config.json); unset: the tokenizer's own, else llmtrain's
     default, whose markers that tokenizer learns as plain text (said at start-up)."""
@@ -130,7 +143,7 @@ class DataConfig:
     """Also train on prompts / non-assistant turns (default: only responses carry a loss)."""
     strict: bool = False
     """Fail on the first bad record (naming file and line) instead of skipping and counting."""
-    val_path: str | None = None
+    val_path: str | None = input_path(default=None)
     """Validation data (same format); else data.val_fraction of the training records is held out."""
     val_fraction: float = ranged("[0, 1)", default=0.0)
     """Fraction of training records held out for validation when data.val_path is not set."""
@@ -310,7 +323,7 @@ class LoraConfig:
     """all-linear (every linear layer but the output head) or a list of module names (q_proj, ... or full paths)."""
     modules_to_save: list[str] = field(default_factory=list)
     """Modules trained in full and saved with the adapters (e.g. [embed_tokens, lm_head] after adding tokens)."""
-    init_from: str | None = None
+    init_from: str | None = input_path(default=None)
     """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to continue training from."""
     base_dtype: Literal["fp32", "bf16"] = "fp32"
     """Storage dtype of the frozen base weights (bf16 halves their memory; needs parallel.mixed_precision=bf16)."""
@@ -346,7 +359,7 @@ MOVED = {f"grpo.{key}": f"rollout.{key}" for key in ("engine", "vllm_gpu_memory_
                                                      "vllm_server_url", "vllm_server_timeout", "vllm_group_port")}
 
 
-def _suggest(key: str, valid: list[str]) -> str:
+def suggest(key: str, valid: list[str]) -> str:
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(valid)}"
 
@@ -419,7 +432,7 @@ def _build(cls: type, raw: dict, prefix: str) -> Any:
         if key not in names and dotted in MOVED:
             raise ConfigError(f"{dotted} moved to {MOVED[dotted]}")
         if key not in names:
-            raise ConfigError(f"unknown config key '{dotted}'{_suggest(dotted, [prefix + n for n in names])}")
+            raise ConfigError(f"unknown config key '{dotted}'{suggest(dotted, [prefix + n for n in names])}")
         key = names[key]
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
@@ -455,8 +468,28 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} must look like key.sub=value")
-        pairs.append((key.strip(), yaml.safe_load(text) if text else ""))
+        try:
+            pairs.append((key.strip(), yaml.safe_load(text) if text.strip() else text))
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: invalid YAML value ({str(e).splitlines()[0]}); quote it: "
+                              f"{key}='\"{text}\"'") from None
     return pairs
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML that refuses a key given twice in one mapping (at any depth), which plain YAML loaders resolve by
+    keeping the last without a word."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        lines: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, typing.Hashable):
+                if key in lines:
+                    raise ConfigError(f"key {key!r} is given twice in one mapping (lines {lines[key]} "
+                                      f"and {key_node.start_mark.line + 1}); keep one")
+                lines[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
 
 
 def load_config(path: str | Path | None, overrides: list[str] = (), cls: type[Config] = Config) -> Config:
@@ -467,9 +500,11 @@ def load_config(path: str | Path | None, overrides: list[str] = (), cls: type[Co
         if not path.is_file():
             raise ConfigError(f"--config: no such file: {path}")
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            raw = yaml.load(path.read_text(), _UniqueKeyLoader) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: invalid YAML: {e}") from None
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
     for key, value in parse_overrides(list(overrides)):
@@ -481,6 +516,7 @@ def load_config(path: str | Path | None, overrides: list[str] = (), cls: type[Co
 
 def validate(cfg: Config) -> None:
     """Cross-field checks that need no I/O."""
+    check_output_dir(cfg.output_dir)
     if (cfg.model.path is None) == (cfg.model.config is None):
         raise ConfigError("set exactly one of model.path (a HF model directory) or model.config (inline Llama config)")
     if cfg.model.config is not None and cfg.tokenizer.path is None:
@@ -501,6 +537,37 @@ def validate(cfg: Config) -> None:
         if cfg.lora.base_dtype == "bf16" and cfg.parallel.strategy == "fsdp":
             raise ConfigError("lora.base_dtype=bf16: FSDP1 flattens each unit into one tensor of one dtype, "
                               "and the adapters are fp32; use parallel.strategy fsdp2 or ddp")
+
+
+def check_output_dir(output_dir: str) -> None:
+    """An output_dir that is empty (an unset shell variable: output_dir=$OUT) or names the current directory,
+    the filesystem root or the home directory would spread a run's files (and its replaced hf/) over whatever
+    is there: refused before anything is written."""
+    if not output_dir.strip():
+        raise ConfigError("output_dir is empty (an unset variable in output_dir=$VAR?): name the run's own "
+                          "directory, e.g. output_dir=outputs/my-run")
+    path = Path(output_dir).resolve()
+    for name, place in (("the current directory", Path.cwd()), ("the filesystem root", Path(path.anchor)),
+                        ("the home directory", Path.home())):
+        if path == place.resolve():
+            raise ConfigError(f"output_dir: {output_dir} is {name} ({path}): a run writes config.yaml, "
+                              "metrics.jsonl, checkpoints/ and replaces hf/ there; name a directory of its own, "
+                              "e.g. output_dir=outputs/my-run")
+
+
+def input_paths(section: Any, prefix: str = "") -> dict[str, str]:
+    """Every path the input fields (input_path) of a config or section name, by key (a list's items indexed)."""
+    found = {}
+    for f in dataclasses.fields(section):
+        value, key = getattr(section, f.name), prefix + _key(f.name)
+        items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
+        for i, item in items:
+            where = key if i is None else f"{key}[{i}]"
+            if dataclasses.is_dataclass(item):
+                found |= input_paths(item, f"{where}.")
+            elif (path_of := f.metadata.get("input")) and item is not None and (path := path_of(item)):
+                found[where] = path
+    return found
 
 
 def to_dict(cfg: Any) -> Any:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import warnings
 from dataclasses import dataclass
@@ -25,10 +26,13 @@ from llmtrain.checkpoint import HF_CONFIG_DIR, STATE_FILE, is_complete, verify
 from llmtrain.config import ConfigError, load_config
 from llmtrain.export import LORA_OUTPUTS, write_adapter, write_hf
 from llmtrain.models import lora, nf4
-from llmtrain.models.hf import build_meta_model
-from llmtrain.utils import DTYPES
+from llmtrain.models.hf import WEIGHTS_FILE, WEIGHTS_INDEX, build_meta_model
+from llmtrain.utils import DTYPES, nesting
 
 PREFIX = "model."
+# What an export's files end with: config, weights and their index, tokenizer files (json, sentencepiece .model,
+# merges.txt), chat_template.jinja. Anything else in a directory (a run's yaml, jsonl, logs) is not an export's.
+EXPORT_SUFFIXES = (".json", ".safetensors", ".model", ".txt", ".jinja")
 
 
 class CheckpointError(ValueError):
@@ -102,14 +106,52 @@ def merged_lora(cfg, trained: dict[str, torch.Tensor], config) -> dict[str, torc
     return lora.merge(base, trained, cfg.lora)
 
 
+def is_export(path: Path) -> bool:
+    """Whether a directory is a Hugging Face export (config.json and safetensors weights) or a PEFT adapter
+    (adapter_config.json and its weights) and holds nothing a run writes: no file of other kinds, no directory
+    but its own step_<N> exports."""
+    names = {p.name for p in path.iterdir()}
+    if not ({"config.json", WEIGHTS_FILE} <= names or {"config.json", WEIGHTS_INDEX} <= names
+            or {lora.ADAPTER_CONFIG, lora.ADAPTER_WEIGHTS} <= names):
+        return False
+    for entry in path.iterdir():
+        if entry.is_dir() and not (re.fullmatch(r"step_\d+", entry.name) and is_export(entry)):
+            return False
+        if not entry.is_dir() and entry.suffix not in EXPORT_SUFFIXES:
+            return False
+    return True
+
+
+def check_out(ckpt: Path, out: Path, lora_export: tuple[str, ...] | None, base: str | None, overwrite: bool) -> None:
+    """Before anything is read: OUT leaves the checkpoint, its run and (LoRA) the base the adapters merge onto as
+    they are; a non-empty OUT is replaced only with `overwrite`, and only when it is a previous export (is_export;
+    for a LoRA checkpoint: OUT holds its adapter/ and hf/ exports alone)."""
+    target, at = out.resolve(), ckpt.resolve()
+    run = at.parent.parent if at.parent.name == "checkpoints" else at
+    guarded = (("the run directory of the checkpoint", run if nesting(target, run) != "lies inside" else None),
+               ("the checkpoint", at), ("model.path, the base the adapters merge onto", base))
+    for what, place in guarded:  # OUT beside a run's checkpoints (OUT=run/hf-step100): as any OUT, below
+        if place and (how := nesting(target, Path(place).resolve())):
+            raise CheckpointError(f"OUT {out} {how} {what} ({place}): converting there would replace what it "
+                                  "reads; choose another OUT")
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return
+    if not overwrite:
+        raise CheckpointError(f"{out} exists: pass --overwrite to replace it")
+    parts = [out] if lora_export is None else list(out.iterdir())
+    for part in parts:
+        if (lora_export is not None and part.name not in lora_export) or not (part.is_dir() and is_export(part)):
+            raise CheckpointError(f"{out} is not a previous export ({part} is not one of its directories): "
+                                  "--overwrite replaces only what an export wrote; choose another OUT")
+
+
 def convert(ckpt: Path, out: Path, dtype: str, max_shard_size: str, overwrite: bool = False) -> list[Path]:
     """The checkpoint's export written to `out` (a LoRA checkpoint's to out/adapter and/or out/hf, as its
-    lora.export says). A directory written there already is replaced only with `overwrite`: refused (before the
-    checkpoint is read) otherwise. CheckpointError names what is wrong."""
+    lora.export says). A non-empty `out` is replaced only with `overwrite`, and only when it is a previous export:
+    refused (before the checkpoint is read) otherwise (check_out). CheckpointError names what is wrong."""
     cfg = lora_config(ckpt) if is_lora(ckpt) else None
     targets = [out] if cfg is None else [out / name for name in LORA_OUTPUTS[cfg.lora.export]]
-    if not overwrite and (taken := [t for t in targets if t.exists() and (not t.is_dir() or any(t.iterdir()))]):
-        raise CheckpointError(f"{taken[0]} exists: pass --overwrite to replace it")
+    check_out(ckpt, out, None if cfg is None else LORA_OUTPUTS[cfg.lora.export], cfg and cfg.model.path, overwrite)
     model = read_checkpoint(ckpt, dtype)
     if cfg is None:
         write_hf(model.weights, out, model.config, model.tokenizer, DTYPES[dtype], max_shard_size)

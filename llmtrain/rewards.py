@@ -54,6 +54,12 @@ class RewardFunc(NamedTuple):
     fn: Callable
 
 
+def file_of(spec: str) -> str | None:
+    """The file a 'path/to/file.py:function' spec reads (None for 'package.module:function')."""
+    where = spec.rpartition(":")[0]
+    return where if where.endswith(".py") else None
+
+
 def load(spec: str, key: str = "grpo.reward_funcs") -> RewardFunc:
     """'package.module:function' or 'path/to/file.py:function' -> the callable; a ConfigError naming the
     key and what is missing otherwise."""

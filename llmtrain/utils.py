@@ -96,3 +96,9 @@ def follow_umask(path: Path) -> None:
     mask = os.umask(0)
     os.umask(mask)
     os.chmod(path, 0o666 & ~mask)
+
+
+def nesting(path: Path, other: Path) -> str | None:
+    """How resolved `path` stands to resolved `other`: "is", "lies inside", "holds", or None when apart."""
+    return "is" if path == other else "lies inside" if other in path.parents else \
+        "holds" if path in other.parents else None

@@ -8,7 +8,7 @@ import typing
 
 import pytest
 
-from helpers import RECIPE, TINY, recipe_configs
+from helpers import REPO, RECIPE, TINY, recipe_configs
 from helpers.procs import launch
 from llmtrain.config import ConfigError, Range, describe, load_config, to_yaml
 from llmtrain.recipes.dpo import DPOConfig
@@ -49,6 +49,24 @@ def test_bad_config_names_the_key(override, words):
         assert w in str(e.value)
 
 
+@pytest.mark.parametrize("text,line", [
+    ("train:\n  lr: 1.0e-3\n  max_steps: 4\n  lr: 1.0e-4\n", "key 'lr' is given twice in one mapping (lines 2 and 4)"),
+    ("train:\n  lr: 1.0e-3\nlog:\n  every_steps: 1\ntrain:\n  max_steps: 4\n",
+     "key 'train' is given twice in one mapping (lines 1 and 5)"),
+    ("model:\n  config:\n    hidden_size: 32\n    hidden_size: 64\n",
+     "key 'hidden_size' is given twice in one mapping (lines 3 and 4)"),
+])
+def test_a_key_given_twice_in_a_yaml_config_is_refused_naming_both_lines(tmp_path, text, line):
+    """YAML keeps the last of two equal keys without a word: the first would be silently ignored."""
+    path = tmp_path / "dup.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(e.value) == f"{path}: {line}; keep one"
+    path.write_text(TINY.read_text())
+    assert load_config(path) == load_config(TINY)
+
+
 def test_missing_config_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match="no such file"):
         load_config(tmp_path / "nope.yaml")
@@ -69,6 +87,10 @@ def test_every_key_is_described():
     (["parallel.strategy=none"], ["parallel.strategy=none", "2 were launched"]),
     (["parallel.strategy=fsdp2", "parallel.replicate=3"], ["parallel.replicate=3", "world size 2"]),
     (["parallel.strategy=ddp", "train.loss_impl=liger"], ["train.loss_impl=liger", "on cpu", "loss_impl=chunked"]),
+    (["model.config.num_hidden_layerz=3"], ["unknown config key 'model.config.num_hidden_layerz'",
+                                            "did you mean 'model.config.num_hidden_layers'"]),
+    (["model.config=null", f"model.path={REPO / 'README.md'}"],
+     [f"model.path: {REPO / 'README.md'} is a file, not a directory (name the directory that holds it)"]),
 ])
 def test_cli_errors_exit_2_at_set_up(tmp_path, run_setup, args, words):
     """As each of 2 ranks sees it (WORLD_SIZE=2), in this process: set-up stops before the process group."""

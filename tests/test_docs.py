@@ -361,3 +361,33 @@ def test_curve_figures_are_what_the_script_prints():
     assert "python scripts/curve_figures.py outputs/demo-grpo" in doc
     assert re.search(r"`reward`, mean over 50-step windows: \*\*[\d.]+\*\* \(steps 1-50; [\d.]+ over steps 1-10\)"
                      r"(, [\d.]+)+, \*\*[\d.]+\*\* \(steps 351-400; [\d.]+ over 391-400\)", doc)
+
+
+DEMO_COMMAND = "torchrun --standalone --nproc_per_node=2 recipes/finetune.py --config configs/demo.yaml"
+
+
+def commands(md):
+    """(the comment lines above it, the command) for every command line of the fenced blocks, continuations joined."""
+    for fence in FENCE.findall(md):
+        comments = []
+        for line in fence.split("\n", 1)[1].rsplit("\n", 1)[0].replace("\\\n", " ").splitlines():
+            if line.lstrip().startswith("#"):
+                comments.append(line)
+            elif line.strip():
+                yield " ".join(comments), " ".join(line.split("#")[0].split())
+                comments = []
+
+
+def test_commands_that_train_the_demo_config_leave_outputs_demo_to_the_demo():
+    """The pages after the demo start from outputs/demo/hf: every other command that trains configs/demo.yaml
+    names its own output_dir (else it resumes the finished demo and exports it again, issue 44 item 7), and a
+    command with placeholders (N processes, [key.sub=value ...]) is marked as a template."""
+    for path in DOCS:
+        for comment, cmd in commands(text(path)):
+            if "recipes/" not in cmd or "configs/demo.yaml" not in cmd or "--print-config" in cmd \
+                    or any(key in cmd for key in MISSPELT_ON_PURPOSE):
+                continue
+            if re.search(r"=N\b|\[key", cmd):
+                assert "template" in comment, (rel(path), cmd)
+            else:
+                assert cmd == DEMO_COMMAND or "output_dir=" in cmd, (rel(path), cmd)

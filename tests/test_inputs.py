@@ -14,7 +14,7 @@ import yaml
 from transformers import AutoTokenizer, GPT2Config, LlamaConfig, LlamaForCausalLM
 
 from helpers import REPO, TINY
-from helpers.procs import finish, start
+from helpers.procs import finish, run_recipe, start
 from llmtrain.config import ConfigError, DataConfig, ModelConfig
 from llmtrain.data import MapSteps, StreamingRows, build, check
 from llmtrain.models import hf as model_lib
@@ -47,6 +47,8 @@ def test_empty_files_are_named_at_setup(tmp_path, content, message):
     (b'{"text": "a broken line\n', "malformed JSON"),
     (b'{"text": "caf\xe9 latin-1"}\n', r"not UTF-8 \(byte 0xe9 at column 14\)"),
     (b"[1, 2]\n", "not a JSON object"),
+    (b'{"text": "a \\ud800 b"}\n', r"field 'text' holds a lone surrogate escape \(\\ud800\): not valid Unicode"),
+    (b'{"text": "x", "meta": {"tags": ["ok", "\\udfff"]}}\n', r"field 'meta.tags\[1\]' holds a lone surrogate"),
 ])
 def test_a_bad_line_is_skipped_or_stops_naming_its_line(tmp_path, tok, bad_line, reason):
     """Line 101 is the bad one (1-based, blank lines counted): skipped and counted with its file:line, or
@@ -67,11 +69,58 @@ def test_streaming_names_a_bad_line_too(tmp_path, tok):
         list(StreamingRows(DataConfig(path=path, seq_len=16, streaming=True, strict=True), tok, 0, 0, 1).rows(0))
 
 
+def test_a_lone_surrogate_is_a_bad_record_when_streaming_and_in_python_m_llmtrain_data(tmp_path, tok, capsys):
+    """A JSON escape of half a surrogate pair decodes to a str no tokenizer takes: named like any bad record,
+    streamed or inspected, never a TypeError (a valid pair is kept)."""
+    from llmtrain.data.__main__ import main
+
+    path = write(tmp_path / "data.jsonl", GOOD + '{"text": "a \\ud800 b"}\n' + '{"text": "\\ud83d\\ude00"}\n' + GOOD)
+    rows = list(StreamingRows(DataConfig(path=path, seq_len=16, streaming=True), tok, 0, 0, 1).rows(0))
+    assert len(rows) > 0
+    with pytest.raises(ConfigError, match=rf"^{path}, line 101: field 'text' holds a lone surrogate escape"):
+        list(StreamingRows(DataConfig(path=path, seq_len=16, streaming=True, strict=True), tok, 0, 0, 1).rows(0))
+    args = ["--config", str(TINY), "--json", f"data.path={path}", "data.seq_len=16"]
+    assert main(args) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["num_examples"] == 201 and summary["skipped"] == 1
+    assert main([*args, "data.strict=true"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"{path}, line 101: field 'text' holds a lone surrogate escape" in err
+
+
 def test_bad_record_line_counts_blank_lines(tmp_path, tok):
     """pyarrow skips blank lines; the line named is still the file's line."""
     path = write(tmp_path / "data.jsonl", GOOD + "\n\n" + json.dumps({"text": 3}) + "\n")
     with pytest.raises(ConfigError, match=rf"{path}, line 103: field 'text' is int"):
         build(DataConfig(path=path, seq_len=16, strict=True), tok, seed=0)
+
+
+@pytest.mark.parametrize("fmt,path", [("text", "data/demo/val.jsonl"), ("instruction", "data/demo/instruct.jsonl")])
+def test_a_seq_len_that_trains_no_token_is_named_with_the_smallest_that_does(tok, fmt, path):
+    """data.seq_len=1 (or rows that hold only prompts) trains nothing: the data says why, naming the smallest
+    data.seq_len that trains a token, which does (a run refuses it: the test below)."""
+    def untrained(seq_len: int) -> str:
+        return build(DataConfig(path=str(REPO / path), format=fmt, seq_len=seq_len), tok, seed=0).stats.untrained
+
+    assert untrained(1).startswith("data.seq_len=1 leaves no trained token in any row: ")
+    smallest = int(re.search(r"the smallest data.seq_len that trains anything on this data is (\d+)$",
+                             untrained(1)).group(1))
+    assert smallest == 2 if fmt == "text" else smallest > 2
+    assert untrained(smallest - 1).startswith(f"data.seq_len={smallest - 1} leaves no trained token")
+    assert untrained(smallest) == ""
+    rows = build(DataConfig(path=str(REPO / path), format=fmt, seq_len=smallest), tok, seed=0).train
+    assert sum(int((row["labels"][1:] != -100).sum()) for row in rows) > 0
+
+
+@pytest.mark.slow
+def test_a_run_that_would_train_no_token_exits_2_exporting_nothing(tmp_path):
+    res = run_recipe(tmp_path, "data.seq_len=1", check=False)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert ("error: data.seq_len=1 leaves no trained token in any row: a row's first token is never predicted"
+            in res.stderr) and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert "the smallest data.seq_len that trains anything on this data is 2" in res.stderr
+    metrics = tmp_path / "metrics.jsonl"
+    assert not (tmp_path / "hf").exists() and '"loss"' not in (metrics.read_text() if metrics.exists() else "")
 
 
 def test_save_to_disk_directory_is_loaded(tmp_path, tok):

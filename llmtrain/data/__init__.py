@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from llmtrain.config import ConfigError, DataConfig, SourceConfig
+from llmtrain.config import ConfigError, DataConfig, SourceConfig, template_file
 from llmtrain.data import sources as sources_lib
 from llmtrain.data.formats import FORMATS, IGNORE, SAMPLE_INDEX, BadRecord, Format, Rows, prepare_tokenizer
 from llmtrain.data.packing import RowBuilder, to_rows
@@ -66,13 +66,13 @@ def check(section: DataConfig) -> None:
                           f"{kind.name}, which are not packed and cannot be streamed; set data.streaming=false")
 
 
-TEMPLATE_FILES = (".jinja", ".json")
+
 
 
 def chat_template(section: DataConfig) -> str | None:
     """data.chat_template's Jinja text: the value itself, or read from the .jinja/.json file it names."""
     value = section.chat_template
-    if value is None or not value.endswith(TEMPLATE_FILES):
+    if value is None or not template_file(value):
         return value
     path = Path(value)
     if not path.is_file():
@@ -103,6 +103,7 @@ class Stats:
     first_truncated: str = ""  # file:line of the first truncated example
     held_out: int = 0  # examples held out for validation (data.val_fraction)
     template_note: str | None = None  # which chat template, when not the tokenizer's own (prepare_tokenizer)
+    untrained: str = ""  # why no row has a trained token (a run refuses to train nothing), "" when one does
 
     def summary(self) -> str:
         if self.streaming:  # nothing is read ahead; bad records are counted as they stream past
@@ -262,6 +263,8 @@ def _build(section: DataConfig, tokenizer, seed: int, rank: int, world_size: int
         train = _rows(examples, kind, section, tokenizer, stats)
         if len(train) == 0:
             raise ConfigError(f"the training data yields no rows ({stats.summary()})")
+        if kind.packs:
+            stats.untrained = untrained(train, examples, section.seq_len)
         if kind.index:  # validation rows have none: nothing is looked up by it for them
             train = train.add_column(kind.index, list(range(len(train))))
         train = train.with_format("torch")
@@ -271,6 +274,23 @@ def _build(section: DataConfig, tokenizer, seed: int, rank: int, world_size: int
         val = _rows(val_examples, kind, section, tokenizer, Stats())
     return Built(train, val.with_format("torch") if val is not None else None, stats,
                  functools.partial(kind.collate, pad_id=tokenizer.pad_token_id) if kind.collate else None)
+
+
+def untrained(rows, examples, seq_len: int) -> str:
+    """Why packed rows none of whose tokens carries a loss train nothing ("" when a token does): a row's first
+    label never does (nothing predicts it), and a truncated example keeps only its first seq_len tokens. Names the
+    smallest data.seq_len that trains anything on these examples (scanned only then)."""
+    for batch in rows.iter(batch_size=PACK_BATCH):
+        if any(label != IGNORE for labels in batch["labels"] for label in labels[1:]):
+            return ""
+    firsts = [next((i for i, label in enumerate(labels) if i and label != IGNORE), None)
+              for labels in examples["labels"]]
+    need = [1 if split else first for first, split in zip(firsts, examples["split"]) if first or split]
+    if not need:
+        return "the training data has no trained token at all (every label is masked): check data.format"
+    return (f"data.seq_len={seq_len} leaves no trained token in any row: a row's first token is never predicted, "
+            "and an example cut to data.seq_len keeps only its prompt; the smallest data.seq_len that trains "
+            f"anything on this data is {min(need) + 1}")
 
 
 class StreamingRows:

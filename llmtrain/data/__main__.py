@@ -94,6 +94,7 @@ def summarize(cfg: Config, n: int) -> dict:
         "skip_reasons": built.stats.reasons,
         "streaming": cfg.data.streaming,
         "chat_template_note": built.stats.template_note,
+        "untrained": built.stats.untrained,
     }
 
 
@@ -149,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{f' of {cfg.data.seq_len} tokens' if packing else ''}; "
           f"{plural(summary['trained_tokens'], 'trained token')}{packing}; "
           f"{summary['truncated']} truncated; {summary['skipped']} skipped")
+    if summary["untrained"]:
+        print(f"warning: {summary['untrained']} (a run refuses to train on it)")
     return 0
 
 

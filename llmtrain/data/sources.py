@@ -22,6 +22,7 @@ BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "c
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # Columns of a file read line by line: the raw line, its 1-based number, why it is not a record ("" if it is).
 LINE, JSON, ERROR = "__line", "__json", "__error"
+SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 
 @dataclass
@@ -228,13 +229,30 @@ def read_lines(files: list[str], stamp: tuple = ()):
                 text, error = "", ""
                 try:
                     text = raw.decode("utf-8")
-                    if not isinstance(json.loads(text), dict):
+                    record = json.loads(text)
+                    if not isinstance(record, dict):
                         error = "not a JSON object"
+                    elif bad := lone_surrogate(record):
+                        error = bad
                 except UnicodeDecodeError as e:
                     error = f"not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
                 except json.JSONDecodeError as e:
                     error = f"malformed JSON ({e.msg} at column {e.colno})"
                 yield {JSON: text if not error else "", LINE: number, ERROR: error, "__file": name}
+
+
+def lone_surrogate(value, name: str = "") -> str:
+    """Why a decoded JSON record is not text ("" if it is): a lone surrogate escape such as "\\ud800" decodes to
+    a str that no tokenizer (nor UTF-8) takes. pyarrow refuses such a line, so only line-read records get here."""
+    if isinstance(value, str):
+        if m := SURROGATE.search(value):
+            return f"field {name!r} holds a lone surrogate escape (\\u{ord(m.group()):04x}): not valid Unicode text"
+        return ""
+    if isinstance(value, dict):
+        items = ((f"{name}.{key}" if name else key, item) for key, item in value.items())
+    else:
+        items = ((f"{name}[{i}]", item) for i, item in enumerate(value if isinstance(value, list) else ()))
+    return next((bad for where, item in items if (bad := lone_surrogate(item, where))), "")
 
 
 def record_of(row: dict) -> tuple[dict | None, str, str]:

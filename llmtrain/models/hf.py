@@ -23,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from llmtrain.config import ConfigError, ModelConfig
+from llmtrain.config import ConfigError, ModelConfig, suggest
 from llmtrain.models import attention
 from llmtrain.models.names import base_name, clean_name
 from llmtrain.utils import release_freed_memory
@@ -35,9 +35,12 @@ CAUSAL_LM_CLASS = re.compile(r"(ForCausalLM|LMHeadModel)$")
 
 
 def check_paths(section: ModelConfig, tokenizer_path: str | None) -> None:
-    """Fail before any process group exists when a named local directory is missing."""
+    """Fail before any process group exists when a named local directory is missing (or an inline
+    model.config has a key its config class does not know)."""
     for key, path in (("model.path", section.path), ("tokenizer.path", tokenizer_path)):
         check_dir(key, path)
+    if section.config is not None:
+        check_inline_config(section.config)
     if section.path is not None and Path(section.path).is_dir():
         if not (Path(section.path) / "config.json").is_file():
             raise ConfigError(f"model.path: {section.path} has no config.json (not a Hugging Face model directory)")
@@ -46,12 +49,29 @@ def check_paths(section: ModelConfig, tokenizer_path: str | None) -> None:
         check_weights(Path(section.path))
 
 
+def check_inline_config(inline: dict) -> None:
+    """Every key of an inline model.config is one LlamaConfig reads (its legacy spellings, e.g. rope_theta,
+    included): any other would be kept as a plain attribute, train nothing and land in the export's config.json.
+    The values are load_model_config's to check (with the tokenizer's ids)."""
+    known = LlamaConfig().to_dict()
+    other = {k: v for k, v in inline.items() if k not in known}
+    try:  # the keys LlamaConfig does not consume stay in its dict
+        kept = LlamaConfig(**other).to_dict()
+    except (TypeError, ValueError, AttributeError) as e:
+        raise ConfigError(f"model.config: {e}") from None
+    for key in (k for k in other if k in kept):
+        raise ConfigError(f"unknown config key 'model.config.{key}' (not a LlamaConfig key)"
+                          f"{suggest(f'model.config.{key}', [f'model.config.{k}' for k in known])}")
+
+
 def check_dir(key: str, path: str | None) -> None:
     """A path that names a local directory (not a hub id such as org/name) must be one."""
     if path is None:
         return
     local = Path(path)
     looks_local = local.is_absolute() or path.startswith(".") or local.exists() or path.count("/") != 1
+    if looks_local and local.exists() and not local.is_dir():
+        raise ConfigError(f"{key}: {path} is a file, not a directory (name the directory that holds it)")
     if looks_local and not local.is_dir():
         raise ConfigError(f"{key}: no such directory: {path}")
 

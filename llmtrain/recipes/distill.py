@@ -30,7 +30,7 @@ from transformers import AutoConfig
 
 from llmtrain import data, distributed
 from llmtrain import teacher_logits as stored
-from llmtrain.config import Config, ConfigError, ModelConfig, ranged
+from llmtrain.config import Config, ConfigError, ModelConfig, input_path, ranged
 from llmtrain.losses import distill as kd
 from llmtrain.losses.token import TokenLoss, trained_tokens, validation_sums
 from llmtrain.models import hf
@@ -77,7 +77,7 @@ METRICS = ("kd_loss", "ce_loss")  # per trained token, beside the logged loss (t
 
 @dataclass
 class DistillSection:
-    teacher_path: str | None = None
+    teacher_path: str | None = input_path(default=None)
     """The teacher: a Hugging Face model directory whose tokenizer has the student's vocabulary (a larger,
     padded embedding on either side is fine). Loaded frozen and sharded like the student (FSDP: FSDP2)."""
     teacher_dtype: Literal["match", "fp32", "bf16"] = "match"
@@ -94,7 +94,7 @@ class DistillSection:
     top_k: int = ranged("[0, inf)", default=0)
     """> 0: the teacher's k most likely ids per token, every other id lumped into one bucket (the divergence of
     the (k+1)-way distributions); 0: the whole vocabulary."""
-    teacher_logits: str | None = None
+    teacher_logits: str | None = input_path(default=None)
     """An offline teacher: a directory written by python -m llmtrain.tools.distill_precompute (the teacher's
     top-k log-probs of every trained token, at distill.temperature); the run trains from it and loads no
     teacher. Its data, row order, tokenizer, top_k and temperature must be this run's (checked)."""

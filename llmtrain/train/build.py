@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from llmtrain import checkpoint, data, distributed, export as export_lib, optim, parallelize
-from llmtrain.config import CheckpointConfig, Config, to_yaml
+from llmtrain.config import CheckpointConfig, Config, ConfigError, to_yaml
 from llmtrain.losses import token as loss_lib
 from llmtrain.metrics import METRICS_FILE, MetricsLogger
 from llmtrain.models import attention, lora
@@ -170,6 +170,8 @@ def build_data(run: Run, unit: str) -> data.Built:
     """The data (train and validation rows), logged; unit: what a row of the global batch is, for the log."""
     cfg, env = run.cfg, run.env
     built = data.build(cfg.data, run.tokenizer, cfg.train.seed, env.is_main, env.rank, env.world_size)
+    if built.stats.untrained:  # every rank finds it alike: it would export the initial model
+        raise ConfigError(built.stats.untrained)
     run.metrics.info(f"data: {built.stats.summary()} | global batch {run.global_batch} {unit} of "
                      f"{cfg.data.seq_len} tokens")
     if built.stats.template_note:

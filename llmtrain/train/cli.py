@@ -4,6 +4,7 @@ mapping (bad input 2, failure 1, preempted 42), lock release and shutdown (Recip
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import time
 import traceback
@@ -13,13 +14,13 @@ from typing import Callable
 from llmtrain import checkpoint, data, distributed, export, launch, parallelize
 from llmtrain.run import failures, lock
 from llmtrain import metrics as metrics_lib
-from llmtrain.config import Config, ConfigError, RunError, describe, load_config, to_yaml
+from llmtrain.config import Config, ConfigError, RunError, describe, input_paths, load_config, to_yaml
 from llmtrain.losses import token as loss_lib
 from llmtrain.models import hf as model_lib
 from llmtrain.models import lora, nf4
 from llmtrain.train import harness
 from llmtrain.train.loop import Preempted
-from llmtrain.utils import print_piped
+from llmtrain.utils import nesting, print_piped
 
 
 def parse_args(argv: list[str] | None, usage: str) -> argparse.Namespace:
@@ -38,6 +39,7 @@ def setup(args: argparse.Namespace, config_cls: type[Config] = Config,
     """Everything that can be checked without a process group or a model: bad input fails here. The
     recipe's own `check` goes first: it can explain what the recipe expects (e.g. where its model comes from)."""
     cfg = load_config(args.config, args.overrides, config_cls)
+    check_apart(cfg.output_dir, input_paths(cfg))
     if check:
         check(cfg)
     # Under `accelerate launch`: every setting it asks for must be what parallel.* gives (parallel.* governs).
@@ -56,6 +58,22 @@ def setup(args: argparse.Namespace, config_cls: type[Config] = Config,
     metrics_lib.check(cfg.log)
     loss_lib.check(cfg.train.loss_impl, device.type)
     return cfg
+
+
+def check_apart(output_dir: str, inputs: dict[str, str]) -> None:
+    """No run writes where one of its inputs lies (config.input_paths: what every section declares it reads): an
+    output_dir that is, lies inside or holds one is refused, naming both, before anything is written. A path that
+    is not on this disk (a Hub id) holds nothing to lose; a glob is the files it matches."""
+    out = Path(output_dir).resolve()
+    for key, path in inputs.items():
+        for found in sorted(glob.glob(path, recursive=True)) if glob.has_magic(path) else [path]:
+            place = Path(found).resolve()
+            if not place.exists():
+                continue
+            if how := nesting(out, place):
+                raise ConfigError(f"output_dir={output_dir} {how} {key}={found}: a run writes its config.yaml, "
+                                  "metrics, checkpoints and export (hf/, replaced) there; give the run an "
+                                  "output_dir apart from its inputs")
 
 
 def main(argv: list[str] | None, usage: str, config_cls: type[Config],

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from llmtrain.config import Config, ConfigError, ranged
+from llmtrain import rewards
+from llmtrain.config import Config, ConfigError, input_path, ranged
 from llmtrain.rollout.section import RolloutSection
 
 USAGE = """\
@@ -58,7 +59,7 @@ class GRPOSection:
     Dr. GRPO's recommendation)."""
     mask_truncated_completions: bool = False
     """Leave completions that reached max_completion_length without an EOS out of the loss (DAPO)."""
-    reward_funcs: list[str] = field(default_factory=list)
+    reward_funcs: list[str] = input_path(rewards.file_of, default_factory=list)
     """Reward functions, "package.module:function" or "path/to/file.py:function", each called as TRL does:
     f(prompts, completions, completion_ids, **columns) -> list[float | None]. Built-ins:
     llmtrain.rewards:exact_answer, llmtrain.rewards:format_regex."""
