@@ -33,7 +33,8 @@ from llmtrain.rollout.engine import Engine, EngineSetup, VLLMServer, completion_
 from llmtrain.rollout.local import Sampling
 from llmtrain.rollout.registry import ENGINES, check_engine
 from llmtrain.rollout.rows import micro_batches
-from llmtrain.train.build import Reference, Run, build_data, reference, sampling_weights
+from llmtrain.train.build import Run, build_data, sampling_weights
+from llmtrain.train.frozen import FrozenModel, reference
 from llmtrain.train.source import Batch
 from llmtrain.train.step import Share
 from llmtrain.utils import DTYPES
@@ -223,7 +224,7 @@ class Rollouts:
     the batch's metrics."""
 
     def __init__(self, run: Run, prompts: PromptSteps, engine: Engine, sampling: Sampling, funcs: list,
-                 ref: Reference | None, pad: int):
+                 ref: FrozenModel | None, pad: int):
         self.run, self.section, self.prompts, self.engine = run, run.cfg.grpo, prompts, engine
         self.sampling, self.funcs, self.ref, self.pad = sampling, funcs, ref, pad
         self.reward_timeout = rewards.reward_timeout(self.section.reward_timeout_s, run.cfg.distributed.timeout_s)
@@ -347,7 +348,7 @@ class Rollouts:
     def reference_logps(self, micro: list[dict]) -> list[torch.Tensor]:
         """The reference's log-probs of each micro-batch's trained tokens, flat (beta > 0: the KL term)."""
         t = self.section.temperature
-        return [self.ref.logps(lambda model, token_loss: token_loss.token_logps(model, b, t)) for b in micro]
+        return [self.ref.forward(lambda model, token_loss: token_loss.token_logps(model, b, t)) for b in micro]
 
     @staticmethod
     def set_logps(micro: list[dict], name: str, flats: list[torch.Tensor]) -> list[list[float]]:
