@@ -36,12 +36,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from llmtrain.config import CheckpointConfig, ConfigError
 from llmtrain.parallelize import without_frozen
-from llmtrain.utils import free_bytes, megabytes, no_space
+from llmtrain.utils import HASH, content_hash, free_bytes, megabytes, no_space
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"
 MANIFEST = "manifest.json"
-HASH = "xxh3_64"
 HF_CONFIG_DIR = "hf_config"
 STATE_DIR = "state"  # registered objects' JSON
 # DCP's load fails on any key of these missing from the checkpoint, so set_state_dict may be non-strict.
@@ -106,14 +105,8 @@ def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
 
 
 def file_digest(path: Path) -> dict:
-    """Size and a fast non-cryptographic hash (xxh3_64, several GB/s) of one file, read in 16 MiB blocks."""
-    import xxhash
-
-    h = xxhash.xxh3_64()
-    with open(path, "rb") as f:
-        while block := f.read(16 << 20):
-            h.update(block)
-    return {"size": path.stat().st_size, HASH: h.hexdigest()}
+    """Size and content hash of one file."""
+    return {"size": path.stat().st_size, HASH: content_hash(path)}
 
 
 def digests(root: Path, names: list[str]) -> dict[str, dict]:

@@ -71,7 +71,7 @@ def write_hf(state: dict[str, torch.Tensor], out: Path, config, tokenizer, dtype
     generation.eos_token_id = stop if len(stop) > 1 else stop[0] if stop else None
     generation.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    publish(tmp, out)
+    publish(tmp, out, keep="step_*")  # the exports made during training stay
 
 
 def write_adapter(trained: dict[str, torch.Tensor], out: Path, section: LoraConfig, base_path: str | None) -> None:
@@ -85,7 +85,7 @@ def write_adapter(trained: dict[str, torch.Tensor], out: Path, section: LoraConf
     config.base_model_name_or_path = base_path
     config.inference_mode = True
     config.save_pretrained(str(tmp))
-    publish(tmp, out)
+    publish(tmp, out, keep="step_*")  # the exports made during training stay
 
 
 def write_until_fits(write: Callable[[], None] | None, out: Path, size: int, wait_minutes: float) -> None:

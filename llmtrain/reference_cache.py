@@ -7,16 +7,16 @@ accumulation split or resume reads the right value.
 Cache: reference-logps-<key>/ next to the tokenized pairs (the datasets cache files; output_dir when the
 pairs are not on disk), key = a hash of what decides the values (the reference's weights, the tokenized
 data's datasets fingerprint, seq_len, compute dtype), so a later run with the same ones reuses it. The pass
-is cut into pieces of PIECE pairs; rank 0 writes each piece as one file (temporary name, fsync, rename: a
-file is whole or absent) holding a SHA-256 of its values, and reads them back for every rank (a node that
+is cut into pieces of PIECE pairs; rank 0 writes each piece as one file (utils.publish: a file is whole or
+absent) holding the content hash of its values (utils.content_hash), and reads them back for every rank (a node that
 does not see the cache still gets them). A missing or corrupt piece is computed again: an interrupted pass
-continues where it stopped, and a damaged file is never used.
+continues where it stopped, and a damaged file is never used. A cache an llmtrain with another content hash
+wrote (SHA-256 until 2026-12) has another key, so it is not found: the pass runs again, and says so.
 """
 
 from __future__ import annotations
 
 import gc
-import hashlib
 import json
 import math
 import os
@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from llmtrain import distributed
-from llmtrain.utils import release_freed_memory
+from llmtrain.utils import HASH, content_hash, publish, release_freed_memory
 
 PIECE = 256  # pairs per file: what an interrupted pass loses at most
 Scorer = Callable[[dict], torch.Tensor]  # batch -> the reference's summed log-prob per row (chosen, then rejected)
@@ -36,7 +36,7 @@ Scorer = Callable[[dict], torch.Tensor]  # batch -> the reference's summed log-p
 def directory(rows, fallback: Path, **key: object) -> Path:
     """Where the log-probs of `rows` (the tokenized pairs, a datasets.Dataset) for `key` are cached."""
     key["data"] = rows._fingerprint  # datasets' hash of the files and of every transform that made the rows
-    name = "reference-logps-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    name = "reference-logps-" + content_hash(json.dumps(key, sort_keys=True).encode())
     files = rows.cache_files
     return (Path(files[0]["filename"]).parent if files else fallback) / name
 
@@ -100,7 +100,7 @@ def _name(start: int, stop: int) -> str:
 
 
 def _digest(values: torch.Tensor) -> str:
-    return hashlib.sha256(values.contiguous().numpy().tobytes()).hexdigest()
+    return content_hash(values.contiguous().numpy().tobytes())
 
 
 def _read(path: Path, n: int, info: Callable[[str], None]) -> torch.Tensor | None:
@@ -110,7 +110,7 @@ def _read(path: Path, n: int, info: Callable[[str], None]) -> torch.Tensor | Non
     try:
         saved = torch.load(path, weights_only=True)
         values = saved["values"]
-        ok = (values.shape == (n, 2) and values.dtype == torch.float32 and _digest(values) == saved["sha256"])
+        ok = (values.shape == (n, 2) and values.dtype == torch.float32 and _digest(values) == saved[HASH])
     except Exception as e:  # a truncated or overwritten file: whatever torch.load raises, it is not used
         ok, why = False, f"{type(e).__name__}: {e}".splitlines()[0]
     else:
@@ -133,8 +133,5 @@ def _try(write: Callable[[], None], where: Path, info: Callable[[str], None]) ->
 
 def _write(path: Path, values: torch.Tensor) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # unique: two runs may fill one cache at once
-    with tmp.open("wb") as f:
-        torch.save({"values": values, "sha256": _digest(values)}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    torch.save({"values": values, HASH: _digest(values)}, tmp)
+    publish(tmp, path)

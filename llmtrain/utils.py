@@ -1,6 +1,7 @@
 """Small helpers every layer may use (a leaf: imports nothing of llmtrain): dtype names, giving freed heap
-back to the OS, publishing a directory atomically, telling a full disk (free space, ENOSPC in any form), and
-printing to a pipe that may close early."""
+back to the OS, the one content hash and the one atomic publish (checkpoints, exports, DPO's reference cache,
+distillation's teacher logits), telling a full disk (free space, ENOSPC in any form), and printing to a pipe that
+may close early."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from pathlib import Path
 from typing import BinaryIO
 
 import torch
+import xxhash
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SMALL_FILE = 64 << 20  # hashed whole up to this size; larger ones by sampled blocks
+HASH = "xxh3_64"  # content_hash's algorithm: the key its values are stored under
 
 
 def hash_sampled(h, fh: BinaryIO, start: int, size: int, samples: int = 16) -> None:
@@ -39,14 +42,36 @@ def release_freed_memory() -> None:
         pass
 
 
-def publish(tmp: Path, final: Path) -> None:
-    """Replace `final` by the complete `tmp`: a reader sees the old or the new directory, never half."""
+def content_hash(content: bytes | Path) -> str:
+    """The hash of some bytes or of a file's contents (read in 16 MiB blocks) that checkpoint manifests, cache
+    keys and stored values record: xxh3_64 (HASH), a non-cryptographic hash at several GB/s: it tells damaged or
+    other contents from the ones recorded, not a forgery."""
+    h = xxhash.xxh3_64()
+    if isinstance(content, Path):
+        with content.open("rb") as f:
+            while block := f.read(16 << 20):
+                h.update(block)
+    else:
+        h.update(content)
+    return h.hexdigest()
+
+
+def publish(tmp: Path, final: Path, keep: str = "") -> None:
+    """Replace `final` (a file or a directory) by the complete `tmp`, a sibling on the same file system: its
+    files are fsynced, then it is renamed, so a reader sees the old `final`, the new one or none, never half.
+    keep: a glob of final's entries moved into the new one first (an export keeps the step_* exports made during
+    training)."""
+    for file in [tmp] if tmp.is_file() else (p for p in tmp.rglob("*") if p.is_file()):
+        with file.open("rb") as f:
+            os.fsync(f.fileno())
+    if not tmp.is_dir() or not final.exists():
+        os.replace(tmp, final)
+        return
     old = final.with_name(final.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        for sub in final.glob("step_*"):  # keep the exports made during training (hf/step_<N>)
-            sub.rename(tmp / sub.name)
-        final.rename(old)
+    for sub in final.glob(keep) if keep else ():
+        sub.rename(tmp / sub.name)
+    final.rename(old)
     tmp.rename(final)
     shutil.rmtree(old, ignore_errors=True)
 

@@ -1,4 +1,4 @@
-"""llmtrain.teacher_logits, the offline teacher's store: shards written by ranks read back by stream position
+"""llmtrain.recipes.distill_teacher, the offline teacher's store: shards written by ranks read back by stream position
 (tokens in order, whichever shard holds a sample); the directory appears whole (manifest, then the rename);
 each way a store can be another run's (data, rows, tokenizer, top_k, temperature, too few samples) or damaged
 (no manifest, a missing shard, a changed byte) is a one-line ConfigError naming it."""
@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from llmtrain import teacher_logits as stored
+from llmtrain.recipes import distill_teacher as stored
 from llmtrain.config import ConfigError, DataConfig
 
 K = 3
@@ -40,7 +40,7 @@ def write_store(root, world=2, samples=10):
             shard.add(torch.tensor(part), counts, torch.cat([v[0] for v in values]), torch.cat([v[1] for v in values]))
         entries.append(shard.write(tmp / f"rank{rank:05d}.safetensors", K))
     assert not out.exists()  # nothing at the final name before publish
-    stored.publish(out, {"version": stored.VERSION, **WANT._asdict(), "samples": samples, "shards": entries})
+    stored.write_manifest(out, {"version": stored.VERSION, **WANT._asdict(), "samples": samples, "shards": entries})
     assert not stored.partial_dir(out).exists()
     return out
 
@@ -84,7 +84,7 @@ def test_a_damaged_or_incomplete_store_is_refused(tmp_path):
     shard = out / "rank00001.safetensors"
     good = shard.read_bytes()
     shard.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
-    with pytest.raises(ConfigError, match=r"rank00001.safetensors is damaged \(its SHA-256"):
+    with pytest.raises(ConfigError, match=r"rank00001.safetensors is damaged \(its xxh3_64"):
         stored.check(str(out), WANT, 10)
     shard.unlink()
     with pytest.raises(ConfigError, match="rank00001.safetensors is missing"):

@@ -42,11 +42,35 @@ def check_paths(section: ModelConfig, tokenizer_path: str | None) -> None:
     if section.config is not None:
         check_inline_config(section.config)
     if section.path is not None and Path(section.path).is_dir():
-        if not (Path(section.path) / "config.json").is_file():
-            raise ConfigError(f"model.path: {section.path} has no config.json (not a Hugging Face model directory)")
-        check_causal_lm(section.path)
-        check_not_quantized(section.path)
-        check_weights(Path(section.path))
+        check_model_dir(section.path)
+
+
+def check_model_dir(path: str, key: str = "model.path") -> None:
+    """A Hugging Face directory llmtrain loads: its config.json, a causal LM, not quantized, readable weights; a
+    problem names `key` (another model's: distill.teacher_path)."""
+    try:
+        if not (Path(path) / "config.json").is_file():
+            raise ConfigError(f"model.path: {path} has no config.json (not a Hugging Face model directory)")
+        check_causal_lm(path)
+        check_not_quantized(path)
+        check_weights(Path(path))
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("model.path", key, 1)) from None
+
+
+def check_vocab(tokenizer, other, key: str, other_path: str) -> None:
+    """Two models that compare their next-token distributions id by id share one vocabulary: the same number
+    of ids with the same token strings (their embeddings may be padded beyond it). tokenizer: this run's;
+    other: the one at `other_path`, set by `key`."""
+    n, n_other = len(tokenizer), len(other)
+    if n != n_other:
+        raise ConfigError(f"{key}: the tokenizer of {other_path} has {n_other} tokens, this run's {n}: the models "
+                          "need one vocabulary (padding beyond it is fine)")
+    ids = range(n)
+    for i, (a, b) in enumerate(zip(tokenizer.convert_ids_to_tokens(ids), other.convert_ids_to_tokens(ids))):
+        if a != b:
+            raise ConfigError(f"{key}: token id {i} is {b!r} in the tokenizer of {other_path} but {a!r} in this "
+                              "run's: the models need one vocabulary")
 
 
 def check_inline_config(inline: dict) -> None:

@@ -1,18 +1,8 @@
 """Knowledge distillation (recipes/distill.py): the distill: config section, its set-up checks (before any process
-group), the teacher (a frozen model from distill.teacher_path next to the student, sharded like DPO's reference)
-and the objective: the token-weighted KD + CE sums of llmtrain.losses.distill over the trained tokens, with no
-[tokens x vocab] logits of either model; its eval adds the KD and the teacher's loss. The data and the rest are
-supervised fine-tuning's (llmtrain/recipes/sft.py) and the shared body's (llmtrain/recipes/base.py).
-
-How the two forwards meet: the student's forward hands the final hidden states of its trained positions to
-the step (TokenLoss's hook on its output layer, so that FSDP holds that layer gathered); there, the teacher's
-forward runs on the same batch under no_grad with the same hook, and inside it, with both output layers
-gathered, llmtrain.losses.distill.chunked_kd takes chunk after chunk of both models' logits. The teacher's
-forward returns nothing differentiable (no FSDP backward hook of the teacher ever fires).
-
-The teacher side is one small interface (TeacherSide): the model (Teacher) or its stored top-k log-probs
-(StoredTeacher, distill.teacher_logits: llmtrain.teacher_logits, written by python -m
-llmtrain.tools.distill_precompute), which StoredSource attaches to each micro-batch by its stream position.
+group) and the recipe: a Finetune (its data, its micro-batches) whose objective is KDObjective
+(llmtrain/recipes/distill_objective.py) against a teacher side (llmtrain/recipes/distill_teacher.py): the teacher
+model beside the student (llmtrain.train.frozen) or its stored top-k log-probs (distill.teacher_logits, written by
+python -m llmtrain.tools.distill_precompute); its eval adds the KD and the teacher's loss.
 
 On-policy distillation (GKD, distill.on_policy_fraction) is a batch source too, llmtrain.rollout.on_policy's
 OnPolicySource: on the steps it picks, the student completes each data row's prompt (the rollout: section's
@@ -20,21 +10,20 @@ engine; the local one keys each sample) and the same objective trains on those r
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal, Protocol
+from typing import Literal
 
 import torch
 from transformers import AutoConfig
 
 from llmtrain import data, distributed
-from llmtrain import teacher_logits as stored
-from llmtrain.config import Config, ConfigError, ModelConfig, input_path, ranged
+from llmtrain.config import Config, ConfigError, input_path, ranged
 from llmtrain.losses import distill as kd
-from llmtrain.losses.token import TokenLoss, trained_tokens, validation_sums
 from llmtrain.models import hf
-from llmtrain.models.build import BuiltModel, build_model
+from llmtrain.recipes import distill_teacher as teacher_side
+from llmtrain.recipes.distill_objective import KDObjective
+from llmtrain.recipes.distill_teacher import LiveTeacher, StoredSource, StoredTeacher
 from llmtrain.recipes.sft import Finetune
 from llmtrain.rollout.engine import Sampling
 from llmtrain.rollout.on_policy import OnPolicySource
@@ -42,8 +31,6 @@ from llmtrain.rollout.registry import build as build_rollout
 from llmtrain.rollout.rows import trainer_logps
 from llmtrain.rollout.section import RolloutSection, check_engine
 from llmtrain.train.build import Run
-from llmtrain.train.source import Batch, BatchSource, DerivedSource
-from llmtrain.train.step import Share
 from llmtrain.utils import DTYPES
 
 USAGE = """\
@@ -72,7 +59,6 @@ completions/mean_length, /min_length, /max_length, /clipped_ratio, and generatio
 with eval.every_steps, val_loss (the student's cross-entropy), val_kd_loss and val_teacher_loss (offline:
 val_loss and val_ppl only).
 """
-METRICS = ("kd_loss", "ce_loss")  # per trained token, beside the logged loss (their kd_weight mix)
 
 
 @dataclass
@@ -170,32 +156,15 @@ def check_completion_room(section: DistillSection, seq_len: int, configs: dict[s
                               "distill.max_new_tokens or data.seq_len")
 
 
-def check_loss_impl(cfg: DistillConfig) -> None:
-    if cfg.train.loss_impl != "chunked":
-        raise ConfigError(f"train.loss_impl: recipes/distill.py computes its loss chunked (llmtrain.losses.distill)"
-                          f"; set train.loss_impl=chunked, not {cfg.train.loss_impl}")
-
-
-def check_top_k_stored(cfg: DistillConfig, what: str) -> None:
-    """An offline teacher stores the top-k bucket: top_k > 0, on map-style data (a stream has no global order)."""
-    if cfg.distill.top_k == 0:
-        raise ConfigError(f"distill.top_k: 0 (the whole vocabulary) cannot be {what}; an offline teacher stores "
-                          "the top-k log-probs: set distill.top_k, e.g. 64")
-    if cfg.data.streaming:
-        raise ConfigError(f"data.streaming: a stream has no global sample order, so an offline teacher cannot be "
-                          f"{what}; set data.streaming=false")
-
-
 def check_stored(cfg: DistillConfig) -> None:
     """distill.teacher_logits: a complete, intact precompute of this run's rows, tokenizer, top_k and
     temperature, covering its train.max_steps (the global batch at WORLD_SIZE ranks)."""
     d = cfg.distill
-    check_loss_impl(cfg)
-    check_top_k_stored(cfg, "trained from stored log-probs")
+    check_kd_settings(cfg, "trained from stored log-probs")
     tokenizer = hf.load_tokenizer(cfg.tokenizer.path or cfg.model.path, cfg.model.trust_remote_code)
     global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * distributed.world_size_from_env()
-    stored.check(d.teacher_logits, stored.expected(cfg.data, cfg.train.seed, tokenizer, d.top_k, d.temperature),
-                 cfg.train.max_steps * global_batch)
+    teacher_side.check(d.teacher_logits, teacher_side.expected(cfg.data, cfg.train.seed, tokenizer, d.top_k,
+                                                               d.temperature), cfg.train.max_steps * global_batch)
 
 
 def check_teacher(cfg: DistillConfig, precompute: bool = False) -> None:
@@ -204,21 +173,12 @@ def check_teacher(cfg: DistillConfig, precompute: bool = False) -> None:
     d = cfg.distill
     if d.teacher_path is None:
         raise ConfigError("distill.teacher_path: not set; name the teacher's Hugging Face model directory")
-    teacher = Path(d.teacher_path)
-    if not teacher.is_dir():
+    if not Path(d.teacher_path).is_dir():
         raise ConfigError(f"distill.teacher_path: no such directory: {d.teacher_path} (configs/demo-distill.yaml's "
                           "teacher is the SFT demo's export: run torchrun --standalone --nproc_per_node=2 "
                           "recipes/finetune.py --config configs/demo.yaml first)")
-    if not (teacher / "config.json").is_file():
-        raise ConfigError(f"distill.teacher_path: {d.teacher_path} has no config.json (not a Hugging Face model "
-                          "directory)")
-    try:
-        hf.check_causal_lm(d.teacher_path)
-        hf.check_not_quantized(d.teacher_path)
-        hf.check_weights(teacher)
-    except ConfigError as e:
-        raise ConfigError(str(e).replace("model.path", "distill.teacher_path", 1)) from None
-    check_loss_impl(cfg)
+    hf.check_model_dir(d.teacher_path, "distill.teacher_path")
+    check_kd_settings(cfg)
     student_tok = hf.load_tokenizer(cfg.tokenizer.path or cfg.model.path, cfg.model.trust_remote_code)
     try:
         teacher_tok = hf.load_tokenizer(d.teacher_path, cfg.model.trust_remote_code)
@@ -228,7 +188,7 @@ def check_teacher(cfg: DistillConfig, precompute: bool = False) -> None:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"distill.teacher_path: no tokenizer could be loaded from {d.teacher_path} ({first[:200]}); "
                           "the teacher's directory holds its tokenizer (the student's vocabulary)") from None
-    check_vocab(student_tok, teacher_tok, d.teacher_path)
+    hf.check_vocab(student_tok, teacher_tok, "distill.teacher_path", d.teacher_path)
     if d.top_k >= len(student_tok):
         whole = "" if precompute else ", or 0 for the whole vocabulary"
         raise ConfigError(f"distill.top_k: {d.top_k} is not below the vocabulary's {len(student_tok)} ids; use a "
@@ -244,97 +204,24 @@ def check_teacher(cfg: DistillConfig, precompute: bool = False) -> None:
                                                     "teacher's": teacher_config})
 
 
-def check_vocab(student_tok, teacher_tok, teacher_path: str) -> None:
-    """Teacher and student share one vocabulary: the same number of ids with the same token strings (the
-    models' embeddings may be padded beyond it: the KD compares the first len(tokenizer) ids)."""
-    n_student, n_teacher = len(student_tok), len(teacher_tok)
-    if n_student != n_teacher:
-        raise ConfigError(f"distill.teacher_path: the teacher's tokenizer ({teacher_path}) has {n_teacher} tokens, "
-                          f"the student's {n_student}: distillation needs one vocabulary (padding beyond it is fine)")
-    ids = range(n_student)
-    for i, (a, b) in enumerate(zip(student_tok.convert_ids_to_tokens(ids), teacher_tok.convert_ids_to_tokens(ids))):
-        if a != b:
-            raise ConfigError(f"distill.teacher_path: token id {i} is {b!r} in the teacher's tokenizer "
-                              f"({teacher_path}) but {a!r} in the student's: distillation needs one vocabulary")
+def check_kd_settings(cfg: DistillConfig, stored: str | None = None) -> None:
+    """The loss is taken chunked; a `stored` teacher (what is done with its log-probs) keeps the top-k bucket
+    (top_k > 0) of map-style data's global sample order (a stream has none)."""
+    if cfg.train.loss_impl != "chunked":
+        raise ConfigError(f"train.loss_impl: recipes/distill.py computes its loss chunked (llmtrain.losses.distill)"
+                          f"; set train.loss_impl=chunked, not {cfg.train.loss_impl}")
+    if stored and cfg.distill.top_k == 0:
+        raise ConfigError(f"distill.top_k: 0 (the whole vocabulary) cannot be {stored}; an offline teacher stores "
+                          "the top-k log-probs: set distill.top_k, e.g. 64")
+    if stored and cfg.data.streaming:
+        raise ConfigError(f"data.streaming: a stream has no global sample order, so an offline teacher cannot be "
+                          f"{stored}; set data.streaming=false")
 
 
-TeacherDist = Callable[[slice], kd.Dist]  # rows of the micro-batch's trained tokens -> the teacher's Dist of them
-
-
-class TeacherSide(Protocol):
-    """What KDObjective asks of the teacher: `dists(batch, use)` calls use(dist), dist(rows) -> the teacher's
-    Dist (llmtrain.losses.distill) of those rows of the batch's trained tokens (in the student's row-major
-    order); `evaluates`: whether it also gives the validation rows' KD and its own loss."""
-    evaluates: bool
-
-    def dists(self, batch: dict, use: Callable[[TeacherDist], None]) -> None: ...
-
-
-class Teacher:
-    """The teacher model: `dists` runs its forward (no_grad, its own compute dtype) and calls use() inside it,
-    where its final hidden states of the trained positions give each chunk's logits on demand."""
-    evaluates = True
-
-    def __init__(self, built: BuiltModel, section: DistillSection, vocab: int, device: torch.device,
-                 chunk_tokens: int):
-        self.built, self.device, self.vocab = built, device, vocab
-        self.temperature, self.top_k = section.temperature, section.top_k
-        self.token_loss = TokenLoss("chunked", built.model, device, chunk_tokens)  # collective
-
-    @staticmethod
-    def source(cfg: DistillConfig) -> tuple[ModelConfig, object]:
-        """distill.teacher_path as a model section, and its config."""
-        tokenizer = hf.load_tokenizer(cfg.distill.teacher_path, cfg.model.trust_remote_code)
-        source = ModelConfig(path=cfg.distill.teacher_path, attn_implementation=cfg.model.attn_implementation)
-        return source, hf.load_model_config(source, tokenizer)
-
-    @staticmethod
-    def dtype_name(cfg: DistillConfig) -> str:
-        d = cfg.distill
-        return cfg.parallel.mixed_precision if d.teacher_dtype == "match" else d.teacher_dtype
-
-    @classmethod
-    def beside(cls, run: Run, section: DistillSection) -> Teacher:
-        """Frozen next to the student, sharded on its mesh (the online teacher)."""
-        cfg, env = run.cfg, run.env
-        source, config = cls.source(cfg)
-        built = build_model(source, config, cfg.parallel, env, cfg.train.seed, frozen_next_to=run.policy,
-                            frozen_dtype=DTYPES[cls.dtype_name(cfg)])
-        return cls(built, section, len(run.tokenizer), env.device, cfg.train.loss_chunk_tokens)
-
-    @classmethod
-    def alone(cls, cfg: DistillConfig, env: distributed.DistEnv, vocab: int) -> Teacher:
-        """Without a student (the precompute): sharded by parallel.* itself, computing in its dtype."""
-        source, config = cls.source(cfg)
-        parallel = dataclasses.replace(cfg.parallel, mixed_precision=cls.dtype_name(cfg))
-        built = build_model(source, config, parallel, env, cfg.train.seed)
-        built.model.requires_grad_(False)
-        built.model.eval()
-        return cls(built, cfg.distill, vocab, env.device, cfg.train.loss_chunk_tokens)
-
-    def autocast(self):
-        plan = self.built.plan
-        # Explicitly on or off: it runs inside the student's forward, whose autocast it must not inherit.
-        return torch.autocast(self.device.type, dtype=plan.dtype, enabled=plan.autocast)
-
-    def dists(self, batch: dict, use: Callable[[TeacherDist], None]) -> None:
-        def inside(hidden, _targets):
-            def dist(rows):
-                with torch.no_grad(), self.autocast():
-                    logits = self.token_loss.head_logits(hidden[rows])
-                return kd.teacher_dist(logits, self.vocab, self.temperature, self.top_k)
-
-            use(dist)
-            return hidden.new_zeros(())  # nothing differentiable leaves the teacher's forward
-
-        with torch.no_grad(), self.autocast():
-            self.token_loss.on_trained_rows(self.built.model, batch, inside)
-
-    def describe(self, section: DistillSection) -> str:
-        b = self.built
-        return (f"distill: teacher {section.teacher_path} ({b.n_params / 1e6:.2f}M parameters, frozen, "
-                f"{b.plan.strategy.name}, computes in {str(b.plan.dtype).removeprefix('torch.')}) | "
-                + describe_loss(section))
+def teacher_dtype(cfg: DistillConfig) -> str:
+    """The dtype the teacher computes in (distill.teacher_dtype; match: parallel.mixed_precision's)."""
+    d = cfg.distill
+    return cfg.parallel.mixed_precision if d.teacher_dtype == "match" else d.teacher_dtype
 
 
 def describe_loss(section: DistillSection) -> str:
@@ -343,101 +230,6 @@ def describe_loss(section: DistillSection) -> str:
             f"{section.top_k or 'all'}")
 
 
-class StoredTeacher:
-    """The offline teacher: the top-k log-probs StoredSource attached to the micro-batch (no model, so no
-    validation KD: its rows were not precomputed)."""
-    evaluates = False
-
-    def dists(self, batch: dict, use: Callable[[TeacherDist], None]) -> None:
-        logps, ids = batch[stored.LOGPS], batch[stored.IDS]
-        use(lambda rows: kd.Dist(logps[rows], ids[rows]))
-
-
-class StoredSource(DerivedSource):
-    """The data's micro-batches (a BatchSource), each with its samples' stored teacher values attached
-    (stored.LOGPS, stored.IDS), looked up by stream position: the step's first position (samples seen
-    before it) + SAMPLE_INDEX."""
-
-    def __init__(self, inner: BatchSource, store: stored.Store):
-        super().__init__(inner)
-        self.store = store
-
-    def next(self) -> Batch:
-        first = self.inner.position()["samples_seen"]
-        batch = self.inner.next()
-        micro = []
-        for b in batch.micro:
-            logps, ids = self.store.take(first + b[data.SAMPLE_INDEX])
-            if len(logps) != int(trained_tokens(b["labels"])):  # the same rows, or the store is not this data's
-                raise ConfigError(f"{stored.KEY}: the stored values of stream positions {first} + "
-                                  f"{b[data.SAMPLE_INDEX].tolist()} have {len(logps)} tokens, the batch trains "
-                                  f"{int(trained_tokens(b['labels']))}; precompute again with this config")
-            micro.append({**b, stored.LOGPS: logps, stored.IDS: ids})
-        return batch._replace(micro=micro)
-
-
-class KDObjective:
-    """The step's objective: Σ over trained tokens of kd_weight·KD + (1 - kd_weight)·CE / the global count of
-    trained tokens (an llmtrain.train.step.Objective)."""
-
-    def __init__(self, student: TokenLoss, teacher: TeacherSide, section: DistillSection, vocab: int):
-        self.student, self.teacher = student, teacher
-        self.params = kd.KDParams(vocab, kd.jsd_beta(section.loss, section.jsd_beta), section.temperature,
-                                  section.kd_weight)
-
-    def sums(self, model: torch.nn.Module, batch: dict) -> kd.KDSums:
-        """One micro-batch's sums: the student's forward, and the teacher's dists inside it."""
-        student, out = self.student, []
-        grad = torch.is_grad_enabled()  # off in eval: the teacher's no_grad must not turn it on again
-
-        def on_student(hidden, targets):
-            device = hidden.device.type
-            student_autocast = (torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
-            leaves = student.head_inputs(hidden) if grad else []
-
-            def student_logits(h):
-                with torch.autocast(device, dtype=student_autocast[0], enabled=student_autocast[1]):
-                    return student.head_logits(h)
-
-            def on_teacher(teacher_dist: TeacherDist):
-                with torch.set_grad_enabled(grad):
-                    out.append(kd.chunked_kd(student_logits, hidden, targets, teacher_dist, self.params,
-                                             student.chunk_tokens, leaves))
-
-            self.teacher.dists(batch, on_teacher)
-            return out[0].loss
-
-        student.on_trained_rows(model, batch, on_student)
-        return out[0]
-
-    def counts(self, batch: dict) -> torch.Tensor:
-        return torch.zeros(0, dtype=torch.long, device=batch["labels"].device)
-
-    def share(self, model: torch.nn.Module, batch: dict, totals: torch.Tensor) -> Share:
-        sums = self.sums(model, batch)
-        return Share(sums.loss / totals[0].clamp(min=1), torch.stack([sums.loss.detach(), sums.kd, sums.ce]))
-
-    def report(self, metrics: torch.Tensor, totals: torch.Tensor) -> tuple[float, dict]:
-        n = max(int(totals[0]), 1)
-        loss, *parts = (v / n for v in metrics.tolist())
-        return loss, dict(zip(METRICS, parts))
-
-    def evaluate(self, model: torch.nn.Module, batches, device: torch.device, autocast) -> dict[str, float]:
-        """Over every rank's validation batches, per trained token: val_loss (the student's cross-entropy, as
-        finetune's val_loss), val_kd_loss, val_teacher_loss (the teacher's cross-entropy: where val_loss heads).
-        Collective: every rank passes as many batches. The teacher model's (Teacher) only."""
-        teacher = self.teacher
-
-        def sums(batch: dict) -> torch.Tensor:
-            with autocast():
-                student = self.sums(model, batch)
-            with teacher.autocast():
-                teacher_ce = teacher.token_loss.loss_sum(teacher.built.model, batch)
-            return torch.stack([student.ce, student.kd, teacher_ce, trained_tokens(batch["labels"])])
-        totals = validation_sums(model, batches, device, 4, sums)
-        n = totals[3].clamp(min=1)
-        return {"val_loss": (totals[0] / n).item(), "val_kd_loss": (totals[1] / n).item(),
-                "val_teacher_loss": (totals[2] / n).item()}
 
 
 class Distill(Finetune):
@@ -452,8 +244,8 @@ class Distill(Finetune):
         built, source = super().source(run)
         d = run.cfg.distill
         if d.teacher_logits is not None:
-            manifest = stored.read_manifest(d.teacher_logits)  # checked before the process group (check_stored)
-            return built, StoredSource(source, stored.Store(d.teacher_logits, manifest))
+            manifest = teacher_side.read_manifest(d.teacher_logits)  # checked before the process group (check_stored)
+            return built, StoredSource(source, teacher_side.Store(d.teacher_logits, manifest))
         if d.on_policy_fraction == 0:
             return built, source
         cfg = run.cfg
@@ -472,13 +264,16 @@ class Distill(Finetune):
         super().setup(run, built)
         section = run.cfg.distill
         if section.teacher_logits is None:
-            self.teacher = Teacher.beside(run, section)
-            run.metrics.info(self.teacher.describe(section))
+            self.teacher = LiveTeacher.beside_student(run, section.teacher_path, DTYPES[teacher_dtype(run.cfg)],
+                                                      section.temperature, section.top_k)
+            run.metrics.info(f"{self.teacher.describe(section.teacher_path)} | {describe_loss(section)}")
         else:
             self.teacher = StoredTeacher()
             run.metrics.info(f"distill: offline teacher {section.teacher_logits} (its top-{section.top_k} "
                              f"log-probs; no teacher model, eval: val_loss only) | {describe_loss(section)}")
-        self.objective = KDObjective(run.token_loss, self.teacher, section, len(run.tokenizer))
+        params = kd.KDParams(len(run.tokenizer), kd.jsd_beta(section.loss, section.jsd_beta), section.temperature,
+                             section.kd_weight)
+        self.objective = KDObjective(run.token_loss, self.teacher, params)
 
     def evaluate(self, at_step: int) -> dict:
         if not self.teacher.evaluates:  # the stored teacher: the student's own validation loss (finetune's)

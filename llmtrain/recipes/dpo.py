@@ -14,7 +14,8 @@ from llmtrain import data, reference_cache
 from llmtrain.config import Config, ConfigError, ranged
 from llmtrain.losses import preference as pl
 from llmtrain.recipes.base import Recipe
-from llmtrain.train.build import base_identity, reference
+from llmtrain.train.build import base_identity
+from llmtrain.train.frozen import reference
 from llmtrain.train.step import Share
 
 USAGE = """\
@@ -103,7 +104,7 @@ class DPO(Recipe):
             ref = reference(run)
             run.metrics.info(f"dpo: loss {d.loss}, beta {d.beta:g}, reference {ref.kind}"
                              + (", precomputed" if d.precompute_reference else ""))
-            return lambda batch: ref.logps(lambda model, token_loss: pair_logps(model, token_loss, batch)[0])
+            return lambda batch: ref.forward(lambda model, token_loss: pair_logps(model, token_loss, batch)[0])
 
         if not d.precompute_reference:
             return live()

@@ -98,8 +98,8 @@ def trainer_logps(token_loss, model: torch.nn.Module, autocast, micro: list[dict
 
 
 def reference_logps(ref, micro: list[dict], temperature: float) -> list[torch.Tensor]:
-    """A frozen reference's (llmtrain.train.build.Reference) log-probs of each micro-batch's trained tokens, flat."""
-    return [ref.logps(lambda model, token_loss: token_loss.token_logps(model, b, temperature)) for b in micro]
+    """A frozen reference's (llmtrain.train.frozen.FrozenModel) log-probs of each micro-batch's trained tokens, flat."""
+    return [ref.forward(lambda model, token_loss: token_loss.token_logps(model, b, temperature)) for b in micro]
 
 
 @dataclass

@@ -9,11 +9,12 @@ distill.top_k (> 0) and distill.temperature decide the values; parallel.* shards
 computes and writes its share of every global batch). --samples: how many samples of the global order to
 cover (default train.max_steps x the global batch at this run's world size; a training run on more ranks
 needs more). DIR must not exist; it appears complete or not at all, on a file system every rank sees.
-What is stored: llmtrain/teacher_logits.py; docs/distill.md, "Offline teacher"."""
+What is stored: llmtrain/recipes/distill_teacher.py; docs/distill.md, "Offline teacher"."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import signal
 import time
@@ -22,12 +23,13 @@ from pathlib import Path
 import torch
 
 from llmtrain import data, distributed
-from llmtrain import teacher_logits as stored
 from llmtrain.config import ConfigError, load_config
 from llmtrain.losses.token import next_token_targets
 from llmtrain.models import hf, lora
+from llmtrain.recipes import distill_teacher as stored
+from llmtrain.recipes.distill import DistillConfig, check_kd_settings, check_teacher, teacher_dtype
 from llmtrain.run import failures
-from llmtrain.recipes.distill import DistillConfig, Teacher, check_teacher, check_top_k_stored
+from llmtrain.train import frozen
 from llmtrain.train.cli import exit_code, fail
 
 
@@ -47,7 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def setup(args: argparse.Namespace) -> DistillConfig:
     """Bad input, before any process group: the teacher, top_k, the data, the output directory."""
     cfg = load_config(args.config, args.overrides, DistillConfig)
-    check_top_k_stored(cfg, "precomputed")
+    check_kd_settings(cfg, "precomputed")
     check_teacher(cfg, precompute=True)
     hf.check_paths(cfg.model, cfg.tokenizer.path)
     data.check(cfg.data)
@@ -68,12 +70,15 @@ def precompute(cfg: DistillConfig, env: distributed.DistEnv, out: Path, samples:
     steps = data.make_steps(built, t.micro_batch_size, t.grad_accum_steps, env.world_size, env.rank, t.seed,
                             env.device, {})
     samples = samples or t.max_steps * steps.global_batch
-    teacher = Teacher.alone(cfg, env, len(tokenizer))
+    parallel = dataclasses.replace(cfg.parallel, mixed_precision=teacher_dtype(cfg))  # no student: its own dtype
+    model = frozen.standalone(*stored.teacher_source(d.teacher_path, cfg.model), parallel, env, t.seed, "chunked",
+                              t.loss_chunk_tokens, "teacher")
+    teacher = stored.LiveTeacher(model, len(tokenizer), d.temperature, d.top_k)
     if env.is_main:
         stored.fresh_partial(out)
     distributed.gather_objects(None)  # the partial directory exists before any rank writes into it
     shard = stored.Shard()
-    chunk = teacher.token_loss.chunk_tokens
+    chunk = model.token_loss.chunk_tokens
     for step in range(math.ceil(samples / steps.global_batch)):
         for batch in next(steps):
             positions = step * steps.global_batch + batch[data.SAMPLE_INDEX]
@@ -89,11 +94,11 @@ def precompute(cfg: DistillConfig, env: distributed.DistEnv, out: Path, samples:
                                                      d.top_k))
     want = stored.expected(cfg.data, t.seed, tokenizer, d.top_k, d.temperature)
     manifest = {"version": stored.VERSION, **want._asdict(), "samples": samples,
-                "teacher": {"path": d.teacher_path, "dtype": Teacher.dtype_name(cfg),
+                "teacher": {"path": d.teacher_path, "dtype": teacher_dtype(cfg),
                             "weights": lora.fingerprint(d.teacher_path, None, t.seed)["fingerprint"]},
                 "shards": entries}
     if env.is_main:
-        stored.publish(out, manifest)
+        stored.write_manifest(out, manifest)
         tokens = sum(e["tokens"] for e in entries)
         print(f"distill_precompute: {samples} samples ({tokens} trained tokens, top {d.top_k} at temperature "
               f"{d.temperature:g}) in {time.perf_counter() - t0:.1f} s -> {out}", flush=True)

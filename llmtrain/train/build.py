@@ -1,6 +1,7 @@
 """What every recipe builds before its first step, in order: preflight and the output_dir lock, the policy
 (models.build.build_model), optimizer, checkpoint manager with every registered state, resume, metrics logger;
-then its data and the data's batch source; the reference a recipe may ask for; and the export at the end.
+then its data and the data's batch source; and the export at the end. A model beside the policy (a reference, a
+teacher) is llmtrain.train.frozen's.
 Taking the whole Config (or a recipe's subclass) is this package's job: it is the recipes' shared body, and
 hands each library call its section."""
 
@@ -10,7 +11,7 @@ import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -216,33 +217,6 @@ def export(run: Run, step_dir: str) -> list[Path]:
         step, path = saved[-1]
         raise export_lib.ExportError(f"{e}; the newest checkpoint, {path}, holds the weights of step {step}: "
                                      f"`python -m llmtrain.convert {path} OUT` writes the export from it") from None
-
-
-class Reference(NamedTuple):
-    """model.path's base model next to the policy, for a no-grad forward: `logps(fn)` runs fn(model,
-    token_loss) with it. What it is ("frozen copy" or "adapters off") is for the log."""
-    kind: str
-    logps: Callable
-
-
-def reference(run: Run) -> Reference:
-    """The policy's starting point as a reference: with LoRA, the policy itself with its adapters switched off
-    (no second model); otherwise a frozen copy of model.path sharded like the policy (Strategy.frozen), with its
-    own TokenLoss (freed with it)."""
-    cfg, env = run.cfg, run.env
-    if cfg.lora.enabled:
-        model, token_loss, off, kind = run.model, run.token_loss, lambda: lora.adapters_disabled(run.model), \
-            "adapters off"
-    else:
-        model = build_model(cfg.model, run.model_config, cfg.parallel, env, cfg.train.seed,
-                            frozen_next_to=run.policy).model
-        token_loss = loss_lib.TokenLoss(cfg.train.loss_impl, model, env.device, cfg.train.loss_chunk_tokens)
-        off, kind = contextlib.nullcontext, "frozen copy"
-
-    def logps(fn: Callable):
-        with torch.no_grad(), off(), run.autocast():
-            return fn(model, token_loss)
-    return Reference(kind, logps)
 
 
 def base_identity(run: Run) -> dict:

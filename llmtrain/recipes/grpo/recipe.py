@@ -20,7 +20,8 @@ from llmtrain.rollout.rows import (GenerationBatch, attach_logps, attach_saved_l
                                    reference_logps, trainer_logps)
 from llmtrain.rollout.scoring import Scorer
 from llmtrain.rollout.section import check_engine
-from llmtrain.train.build import Reference, Run, build_data, reference
+from llmtrain.train.build import Run, build_data
+from llmtrain.train.frozen import FrozenModel, reference
 from llmtrain.train.source import Batch
 from llmtrain.train.step import Share
 
@@ -77,7 +78,7 @@ class Rollouts:
     num_iterations times. Its state (num_iterations > 1) is the generation batch, every rank's
     (rows.GenerationBatch)."""
 
-    def __init__(self, run: Run, prompts: PromptSteps, rollout: Rollout, scorer: Scorer, ref: Reference | None):
+    def __init__(self, run: Run, prompts: PromptSteps, rollout: Rollout, scorer: Scorer, ref: FrozenModel | None):
         self.run, self.section, self.prompts, self.rollout, self.scorer = run, run.cfg.grpo, prompts, rollout, scorer
         self.ref, self.held = ref, None
         g = self.section

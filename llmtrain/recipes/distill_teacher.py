@@ -1,6 +1,8 @@
-"""An offline distillation teacher (distill.teacher_logits): the teacher's top-k next-token log-probs of every
-trained token, precomputed once (python -m llmtrain.tools.distill_precompute) and read back by the recipe,
-which then loads no teacher.
+"""Distillation's teacher side (llmtrain/recipes/distill.py's KDObjective asks it for the teacher's
+distributions, TeacherSide): the teacher model (LiveTeacher: llmtrain.train.frozen's frozen model, its forward run
+inside the student's) or its stored top-k log-probs (StoredTeacher, distill.teacher_logits), which StoredSource
+attaches to each micro-batch; and the stored values' format, written by python -m llmtrain.tools.distill_precompute
+(Shard, write_manifest) and read back here (check, Store), so the recipe loads no teacher.
 
 Indexed by the global sample stream (llmtrain.data.sampling: epoch after epoch of seeded permutations of the
 rows; step s of a global batch G takes stream positions s*G .. s*G+G-1), which is the same for any world size,
@@ -14,33 +16,122 @@ k + 1 stored numbers do not determine, so the temperature is part of what was st
 one is refused (as another top_k, vocabulary, data or row order is).
 
 A directory of safetensors shards (one per rank of the precompute: positions [n], offsets [n + 1] into its
-tokens, logps [tokens, k + 1] fp32, ids [tokens, k] int32) and manifest.json (what decides the values and a
-SHA-256 per shard). Written into a temporary sibling directory and renamed when complete: a directory with a
-manifest is whole. Every shard's checksum is verified before any process group, and a damaged shard is
-never loaded.
+tokens, logps [tokens, k + 1] fp32, ids [tokens, k] int32) and manifest.json (what decides the values and the
+content hash of each shard, llmtrain.utils.content_hash). Written into a temporary sibling directory and
+published whole (llmtrain.utils.publish): a directory with a manifest is complete. Every shard's hash is verified
+before any process group, and a damaged shard is never loaded. A store of an earlier version (1: SHA-256) is
+refused in one line that says to precompute again.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 
-from llmtrain.config import ConfigError, DataConfig, to_dict
+from llmtrain import data
+from llmtrain.config import ConfigError, DataConfig, ModelConfig, to_dict
+from llmtrain.losses import distill as kd
+from llmtrain.losses.token import trained_tokens
+from llmtrain.models import hf
 from llmtrain.run.resume import data_fingerprint
-from llmtrain.utils import follow_umask
+from llmtrain.train import frozen
+from llmtrain.train.build import Run
+from llmtrain.train.source import Batch, BatchSource, DerivedSource
+from llmtrain.utils import HASH, content_hash, follow_umask, publish
 
 KEY = "distill.teacher_logits"
 MANIFEST = "manifest.json"
-VERSION = 1
+VERSION = 2  # 2: content_hash (xxh3_64) of the shards and the token table; 1: SHA-256
 LOGPS, IDS = "teacher_logps", "teacher_ids"  # the micro-batch keys StoredSource attaches
 # Data keys that do not change the training rows or their order (the files are compared by fingerprint).
 NOT_ROWS = ("path", "sources", "val_path", "streaming", "shuffle_buffer")
+
+
+TeacherDist = Callable[[slice], kd.Dist]  # rows of the micro-batch's trained tokens -> the teacher's Dist of them
+
+
+class TeacherSide(Protocol):
+    """What KDObjective asks of the teacher: `dists(batch, use)` calls use(dist), dist(rows) -> the teacher's
+    Dist (llmtrain.losses.distill) of those rows of the batch's trained tokens (in the student's row-major
+    order); `evaluates`: whether it also gives the validation rows' KD and its own loss."""
+    evaluates: bool
+
+    def dists(self, batch: dict, use: Callable[[TeacherDist], None]) -> None: ...
+
+
+class LiveTeacher:
+    """The teacher model (a FrozenModel): `dists` runs its forward and calls use() inside it, where its final
+    hidden states of the trained positions give each chunk's logits on demand (vocab: the ids compared; the
+    models' embeddings may be padded beyond them)."""
+    evaluates = True
+
+    def __init__(self, model: frozen.FrozenModel, vocab: int, temperature: float, top_k: int):
+        self.frozen, self.vocab, self.temperature, self.top_k = model, vocab, temperature, top_k
+
+    @classmethod
+    def beside_student(cls, run: Run, path: str, dtype: torch.dtype, temperature: float, top_k: int) -> LiveTeacher:
+        """The teacher at `path`, frozen next to the student and sharded on its mesh, computing in `dtype`."""
+        model = frozen.beside_policy(run, *teacher_source(path, run.cfg.model), "teacher", dtype, "chunked")
+        return cls(model, len(run.tokenizer), temperature, top_k)
+
+    def describe(self, path: str) -> str:
+        b = self.frozen.built
+        return (f"distill: teacher {path} ({b.n_params / 1e6:.2f}M parameters, frozen, {b.plan.strategy.name}, "
+                f"computes in {str(b.plan.dtype).removeprefix('torch.')})")
+
+    def dists(self, batch: dict, use: Callable[[TeacherDist], None]) -> None:
+        def inside(hidden, _targets):
+            def dist(rows):
+                logits = self.frozen.forward(lambda _, token_loss: token_loss.head_logits(hidden[rows]))
+                return kd.teacher_dist(logits, self.vocab, self.temperature, self.top_k)
+
+            use(dist)
+            return hidden.new_zeros(())  # nothing differentiable leaves the teacher's forward
+
+        self.frozen.forward(lambda model, token_loss: token_loss.on_trained_rows(model, batch, inside))
+
+
+def teacher_source(path: str, student: ModelConfig) -> tuple[ModelConfig, object]:
+    """The teacher at `path` as a model section (with the student's attention kernel), and its config."""
+    tokenizer = hf.load_tokenizer(path, student.trust_remote_code)
+    source = ModelConfig(path=path, attn_implementation=student.attn_implementation)
+    return source, hf.load_model_config(source, tokenizer)
+
+
+class StoredTeacher:
+    """The offline teacher: the top-k log-probs StoredSource attached to the micro-batch (no model, so no
+    validation KD: its rows were not precomputed)."""
+    evaluates = False
+
+    def dists(self, batch: dict, use: Callable[[TeacherDist], None]) -> None:
+        logps, ids = batch[LOGPS], batch[IDS]
+        use(lambda rows: kd.Dist(logps[rows], ids[rows]))
+
+
+class StoredSource(DerivedSource):
+    """The data's micro-batches (a BatchSource), each with its samples' stored teacher values attached (LOGPS,
+    IDS), looked up by stream position: the step's first position (samples seen before it) + SAMPLE_INDEX."""
+
+    def __init__(self, inner: BatchSource, store: Store):
+        super().__init__(inner)
+        self.store = store
+
+    def next(self) -> Batch:
+        first = self.inner.position()["samples_seen"]
+        batch = self.inner.next()
+        micro = []
+        for b in batch.micro:
+            logps, ids = self.store.take(first + b[data.SAMPLE_INDEX])
+            if len(logps) != int(trained_tokens(b["labels"])):  # the same rows, or the store is not this data's
+                raise ConfigError(f"{KEY}: the stored values of stream positions {first} + "
+                                  f"{b[data.SAMPLE_INDEX].tolist()} have {len(logps)} tokens, the batch trains "
+                                  f"{int(trained_tokens(b['labels']))}; precompute again with this config")
+            micro.append({**b, LOGPS: logps, IDS: ids})
+        return batch._replace(micro=micro)
 
 
 def rows_identity(section: DataConfig, seed: int) -> dict:
@@ -54,8 +145,7 @@ def rows_identity(section: DataConfig, seed: int) -> dict:
 
 def tokens_hash(tokenizer) -> str:
     """The tokenizer's id -> string table, hashed (the stored ids mean these tokens)."""
-    table = tokenizer.convert_ids_to_tokens(range(len(tokenizer)))
-    return hashlib.sha256(json.dumps(table).encode()).hexdigest()[:16]
+    return content_hash(json.dumps(tokenizer.convert_ids_to_tokens(range(len(tokenizer)))).encode())
 
 
 class Expected(NamedTuple):
@@ -71,14 +161,6 @@ class Expected(NamedTuple):
 def expected(section: DataConfig, seed: int, tokenizer, top_k: int, temperature: float) -> Expected:
     return Expected(data_fingerprint(section), rows_identity(section, seed), len(tokenizer), tokens_hash(tokenizer),
                     top_k, temperature)
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
 
 
 AGAIN = "; run python -m llmtrain.tools.distill_precompute with this run's config"
@@ -135,8 +217,8 @@ def check(directory: str, want: Expected, samples: int) -> dict:
         path = root / shard["file"]
         if not path.is_file():
             raise ConfigError(f"{KEY}: {path} is missing{AGAIN}")
-        if file_sha256(path) != shard["sha256"]:
-            raise ConfigError(f"{KEY}: {path} is damaged (its SHA-256 is not the manifest's); not loaded{AGAIN}")
+        if content_hash(path) != shard[HASH]:
+            raise ConfigError(f"{KEY}: {path} is damaged (its {HASH} is not the manifest's); not loaded{AGAIN}")
     return manifest
 
 
@@ -184,7 +266,7 @@ class Shard:
         self.ids.append(ids.int().cpu())
 
     def write(self, path: Path, top_k: int) -> dict:
-        """The shard file (fsynced) and its manifest entry."""
+        """The shard file and its manifest entry."""
         from safetensors.torch import save_file
 
         counts = torch.cat(self.counts) if self.counts else torch.zeros(0, dtype=torch.long)
@@ -194,8 +276,7 @@ class Shard:
                    "ids": torch.cat(self.ids) if self.ids else torch.zeros(0, top_k, dtype=torch.int32)}
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
         follow_umask(path)
-        _fsync(path)
-        return {"file": path.name, "sha256": file_sha256(path), "samples": len(tensors["positions"]),
+        return {"file": path.name, HASH: content_hash(path), "samples": len(tensors["positions"]),
                 "tokens": len(tensors["logps"])}
 
 
@@ -204,12 +285,11 @@ def partial_dir(out: Path) -> Path:
     return out.with_name(f".{out.name}.partial")
 
 
-def publish(out: Path, manifest: dict) -> None:
-    """Rank 0, once every shard is in partial_dir(out): the manifest, then the rename that makes it whole."""
+def write_manifest(out: Path, manifest: dict) -> None:
+    """Rank 0, once every shard is in partial_dir(out): the manifest, then the publish that makes it whole."""
     tmp = partial_dir(out)
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    _fsync(tmp / MANIFEST)
-    os.replace(tmp, out)
+    publish(tmp, out)
 
 
 def fresh_partial(out: Path) -> Path:
@@ -218,8 +298,3 @@ def fresh_partial(out: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     return tmp
-
-
-def _fsync(path: Path) -> None:
-    with path.open("rb") as f:
-        os.fsync(f.fileno())
