@@ -1,5 +1,5 @@
-"""Helpers shared by bench/run.py and the benchmarks: launching torchrun with a hard timeout (through the tests'
-own launcher, tests/helpers/launcher.py), reading the recipe's metrics.jsonl, reading this process's memory
+"""Helpers shared by bench/run.py and the benchmarks: launching torchrun with a hard timeout (through the launcher
+the tests use too, llmtrain/run/launcher.py), reading the recipe's metrics.jsonl, reading this process's memory
 counters, small statistics."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))  # the launcher the tests use (tests/helpers/launcher.py)
+sys.path.insert(0, str(REPO))  # llmtrain, also where it is not installed (TRL's venv)
 
-from helpers import launcher  # noqa: E402
+from llmtrain.run import launcher  # noqa: E402
 
 RECIPE = REPO / "recipes" / "finetune.py"
 
@@ -32,7 +32,7 @@ def run(cmd: list, timeout: float, env: dict | None = None, log: Path | None = N
     Raises BenchError with the output's tail on failure."""
     t0 = time.perf_counter()
     try:
-        res = launcher.finish(launcher.start(cmd, base_env(env), merge_stderr=True), timeout)
+        res = launcher.finish(launcher.start(cmd, REPO, base_env(env), merge_stderr=True), timeout)
     except launcher.TimedOut as e:
         raise BenchError(f"{e}\n{e.stdout[-3000:]}") from None
     wall = time.perf_counter() - t0

@@ -11,25 +11,25 @@
 #
 # What it does, in order, each step bounded so that the whole script ends within BUDGET_S (450 s):
 #   1. environment: GPU name and memory, torch / CUDA / transformers versions
-#   2. checks (bench/gpu_checks.py): a 1-rank NCCL group (all_reduce, broadcast, barrier; two NCCL
+#   2. checks (bench/gpu/checks.py): a 1-rank NCCL group (all_reduce, broadcast, barrier; two NCCL
 #      ranks cannot share one GPU), bf16 matmul + autocast, torch.compile forward/backward
-#   3. throughput: recipes/finetune.py, through bench/gpu_train.py (the recipe unchanged but fed
+#   3. throughput: recipes/finetune.py, through bench/gpu/train.py (the recipe unchanged but fed
 #      random token batches and without the final export, so `datasets` is not needed: GPU machines
-#      have torch, transformers, accelerate, safetensors but not datasets), config bench/gpu-1b.yaml:
+#      have torch, transformers, accelerate, safetensors but not datasets), config bench/gpu/gpu-1b.yaml:
 #      a ~1.2B Llama (hidden 2048, 16 layers, 32 heads, 8 KV heads, intermediate 8192, vocab 128256),
 #      seq_len 2048, micro-batch 4, FSDP2 + bf16, 1 GPU. Four runs: eager, compile, activation
 #      checkpointing, both; and LoRA r=16 on a bf16 base vs QLoRA (NF4 base), after eager. tokens/s
 #      and MFU (peak from llmtrain.metrics.PEAK_TFLOPS by GPU name,
 #      H200: 989.4 bf16 TFLOP/s dense) are the recipe's own metrics, after 10 warm-up steps.
-#   4. GRPO engines (bench/gpu_engines.py, no `datasets` needed): the same model (bf16, random init), 16 rows
+#   4. GRPO engines (bench/gpu/engines.py, no `datasets` needed): the same model (bf16, random init), 16 rows
 #      (2 demo prompts x G 8) of 128 tokens, generated tokens/s of HF generate (the baseline), then each
-#      grpo.engine (local, transformers, vllm; vllm skipped with a line when not importable) built through the
+#      rollout.engine (local, transformers, vllm; vllm skipped with a line when not importable) built through the
 #      registry, its weights pushed and fingerprint-checked as recipes/grpo.py does; a table and the line
 #      "vllm / hf generate: R x (target >= 5x ...)"; also $RESULTS/engines/results.json
 #   5. GRPO (recipes/grpo.py, needs `datasets`): one run per engine (vllm when importable), the same model
 #      sampling 16 x 128 tokens a step; generation vs step time and generated tokens/s per step, from its
 #      metrics.jsonl (not run on a GPU yet either)
-#   6. a markdown table of the throughput runs (bench/gpu_train.py --table), also saved to $RESULTS/table.md
+#   6. a markdown table of the throughput runs (bench/gpu/train.py --table), also saved to $RESULTS/table.md
 #
 # SECTIONS picks what runs (default all): e.g. SECTIONS="engines" bash bench/gpu.sh for the engines alone.
 set -uo pipefail
@@ -41,7 +41,7 @@ RESULTS=${RESULTS:-${OUT:-outputs/bench-gpu}}
 BUDGET_S=${BUDGET_S:-450}
 STEPS=${STEPS:-30}
 WARMUP=${WARMUP:-10}
-CONFIG=bench/gpu-1b.yaml
+CONFIG=bench/gpu/gpu-1b.yaml
 SECTIONS=${SECTIONS:-checks throughput engines grpo}
 SMOKE=0
 EXTRA=()
@@ -68,7 +68,7 @@ $PY -c "import datasets" 2>/dev/null && echo "datasets: installed (not needed)" 
 
 if wanted checks; then
 echo "== checks"
-timeout 120 $PY bench/gpu_checks.py $([[ $SMOKE == 1 ]] && echo --allow-cpu) 2>"$RESULTS/checks.err" | tee "$RESULTS/checks.txt"
+timeout 120 $PY bench/gpu/checks.py $([[ $SMOKE == 1 ]] && echo --allow-cpu) 2>"$RESULTS/checks.err" | tee "$RESULTS/checks.txt"
 checks_rc=${PIPESTATUS[0]}
 [[ $checks_rc == 0 ]] || echo "checks: exit $checks_rc (see $RESULTS/checks.err); continuing with the throughput runs"
 fi
@@ -78,7 +78,7 @@ if wanted throughput; then
 echo "== throughput: $CONFIG, $STEPS steps, table after $WARMUP warm-up steps"
 # lora / qlora: LoRA r=16 on a bf16 base vs QLoRA (lora.quantize_base=nf4, needs peft and torchao: a missing
 # package ends that row at start with the pip line); their tokens/s ratio is the GPU's QLoRA step-time cost
-# (CPU: bench/qlora.py; torchtune's published GPU ratio is ~1.28x).
+# (CPU: bench/benchmarks/lora/qlora.py; torchtune's published GPU ratio is ~1.28x).
 LORA="lora.enabled=true lora.r=16 lora.alpha=32 lora.dropout=0 lora.base_dtype=bf16 lora.export=adapter"
 variants=("eager|"
           "lora|$LORA"
@@ -102,7 +102,7 @@ for v in "${variants[@]}"; do
   echo "-- $name ($overrides) limit ${limit}s"
   t0=$SECONDS
   # shellcheck disable=SC2086
-  timeout -k 5 "$limit" $TORCHRUN --standalone --nproc_per_node=1 bench/gpu_train.py --config "$CONFIG" \
+  timeout -k 5 "$limit" $TORCHRUN --standalone --nproc_per_node=1 bench/gpu/train.py --config "$CONFIG" \
       output_dir="$out" train.max_steps="$STEPS" checkpoint.resume=never $overrides "${EXTRA[@]}" \
       >"$out.log" 2>&1
   rc=$?
@@ -115,12 +115,12 @@ done
 fi
 
 if wanted engines; then
-echo "== grpo engines: bench/gpu_engines.py on the $CONFIG model, 2 demo prompts x G 8, 128 tokens"
+echo "== grpo engines: bench/gpu/engines.py on the $CONFIG model, 2 demo prompts x G 8, 128 tokens"
 remaining=$(( $(left) - 20 ))
 if (( remaining < 60 )); then
   echo "-- engines: skipped, ${remaining}s left of BUDGET_S=$BUDGET_S"
 else
-  timeout -k 5 "$(( remaining < 300 ? remaining : 300 ))" $PY bench/gpu_engines.py --out "$RESULTS/engines" \
+  timeout -k 5 "$(( remaining < 300 ? remaining : 300 ))" $PY bench/gpu/engines.py --out "$RESULTS/engines" \
       $([[ $SMOKE == 1 ]] && echo --cpu-smoke) 2>"$RESULTS/engines.err" | tee "$RESULTS/engines.txt"
   rc=${PIPESTATUS[0]}
   (( rc == 0 )) || { echo "   exit $rc; last lines of $RESULTS/engines.err:"; tail -n 5 "$RESULTS/engines.err" | sed 's/^/   /'; }
@@ -128,7 +128,7 @@ fi
 fi
 
 if wanted grpo; then
-echo "== grpo: recipes/grpo.py per grpo.engine on the $CONFIG model, demo prompts, G 8, 128 new tokens, 4 steps"
+echo "== grpo: recipes/grpo.py per rollout.engine on the $CONFIG model, demo prompts, G 8, 128 new tokens, 4 steps"
 # Needs `datasets` (prompts go through llmtrain.data); generation vs training time from its metrics.jsonl.
 engines=(local transformers)
 if $PY -c "import vllm" 2>/dev/null; then engines+=(vllm); else echo "-- grpo vllm: skipped, vllm not importable"; fi
@@ -148,7 +148,7 @@ for engine in "${engines[@]}"; do
       --config "$CONFIG" output_dir="$out" "${EXTRA[@]}" data.path=data/demo/prompts.jsonl data.format=prompt \
       data.seq_len=64 train.max_steps=4 train.micro_batch_size=16 grpo.num_generations=8 \
       grpo.max_completion_length=128 "grpo.reward_funcs=[llmtrain.rewards:format_regex]" checkpoint.resume=never \
-      grpo.engine="$engine" >"$out.log" 2>&1
+      rollout.engine="$engine" >"$out.log" 2>&1
   echo "-- grpo $engine: exit $?; generation vs step time per step:"
   $PY -c "import json,sys; [print(f'   step {r[\"step\"]}: generation {r[\"generation_s\"]:.2f}s of {r[\"step_time_s\"]:.2f}s, {r[\"generated_tokens_per_s\"]:.0f} generated tok/s, mem {r[\"mem_gb\"]:.1f} GB') for r in map(json.loads, open(sys.argv[1])) if 'loss' in r]" "$out/metrics.jsonl" 2>/dev/null || tail -n 5 "$out.log"
 done
@@ -156,6 +156,6 @@ fi
 
 echo "== results ($(( SECONDS - start ))s so far)"
 if (( ${#dirs[@]} )); then
-  $PY bench/gpu_train.py --table --warmup "$WARMUP" "${dirs[@]}" | tee "$RESULTS/table.md"
+  $PY bench/gpu/train.py --table --warmup "$WARMUP" "${dirs[@]}" | tee "$RESULTS/table.md"
 fi
 echo "total $(( SECONDS - start ))s (budget ${BUDGET_S}s)"

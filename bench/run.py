@@ -13,9 +13,10 @@ The 1-minute load average before and after each benchmark is recorded (the machi
   256, 4 layers, 8 heads / 4 KV, untied, seq 256, micro-batch 4), and llama-128k.yaml (Llama 3's vocabulary
   128,256, hidden 256, 2 layers, seq 2048, micro-batch 1). The demo model is used by `data` only.
 
-The benchmarks, in the order they run (each one module, bench/benchmarks/<name>.py, whose docstring says what it
-measures and against which target):
-  overhead       the recipe vs the bare tutorial loop (bench/bare_loop.py), tokens/s
+The benchmarks, in the order they run (each bench/benchmarks/<name>.py, or a folder bench/benchmarks/<name>/ with
+the workers it launches, whose docstring says what it measures and against which target; what they are compared
+with is in bench/baselines/):
+  overhead       the recipe vs the bare tutorial loop (bench/baselines/bare_loop.py), tokens/s
   loss           train.loss_impl=chunked vs full: step time and peak memory per rank
   trainer        useful tokens/s vs transformers.Trainer (chat SFT)
   trl            useful tokens/s vs TRL's SFTTrainer (its own venv, --trl-venv)

@@ -60,7 +60,7 @@ class TrainState:
     world_size: int = 0
     data: dict = field(default_factory=dict)  # the data position (llmtrain.data make_steps)
     base: dict = field(default_factory=dict)  # LoRA: the frozen base's path and fingerprint (llmtrain.models.lora)
-    identity: dict = field(default_factory=dict)  # the recipe and the data's fingerprint (llmtrain.resume)
+    identity: dict = field(default_factory=dict)  # the recipe and the data's fingerprint (llmtrain.run.resume)
 
 
 def _rng_state() -> dict:
@@ -145,28 +145,43 @@ def verify(path: Path) -> list[str]:
     rank gets the same list. Each rank checks every world_size-th file of the manifest (size, then hash), so
     the reading is shared."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    problems = []
-    if not (path / ".metadata").is_file():
-        problems.append("no .metadata (DCP's index of the shards): the save did not finish")
-    elif not (path / STATE_FILE).is_file():
-        problems.append(f"no {STATE_FILE} (the completion marker): the save did not finish")
-    elif (path / MANIFEST).is_file():
-        try:
-            files = sorted(json.loads((path / MANIFEST).read_text())["files"].items())
-        except (ValueError, KeyError) as e:
-            files, problems = [], [f"{MANIFEST} is unreadable ({e})"]
-        for name, want in files[rank::world]:
-            file = path / name
-            if not file.is_file():
-                problems.append(f"{name} is missing")
-            elif file.stat().st_size != want["size"]:
-                problems.append(f"{name} is {file.stat().st_size} bytes, {want['size']} when saved (truncated?)")
-            elif file_digest(file)[HASH] != want[HASH]:
-                problems.append(f"{name} has changed since it was saved ({HASH} differs)")
+    problems = _unfinished(path) or _manifest_problems(path, rank, world)
     gathered: list[list[str]] = [problems] * world
     if dist.is_initialized():
         dist.all_gather_object(gathered, problems)
     return sorted({p for ps in gathered for p in ps})
+
+
+def _unfinished(path: Path) -> list[str]:
+    """Why the save of `path` did not finish ([] if it did)."""
+    if not (path / ".metadata").is_file():
+        return ["no .metadata (DCP's index of the shards): the save did not finish"]
+    if not (path / STATE_FILE).is_file():
+        return [f"no {STATE_FILE} (the completion marker): the save did not finish"]
+    return []
+
+
+def _manifest_problems(path: Path, rank: int, world: int) -> list[str]:
+    """This rank's share (every world-th file) of the manifest's files that are missing, truncated or changed;
+    [] without a manifest (an older save)."""
+    if not (path / MANIFEST).is_file():
+        return []
+    try:
+        files = sorted(json.loads((path / MANIFEST).read_text())["files"].items())
+    except (ValueError, KeyError) as e:
+        return [f"{MANIFEST} is unreadable ({e})"]
+    return [problem for name, want in files[rank::world] if (problem := _file_problem(path / name, name, want))]
+
+
+def _file_problem(file: Path, name: str, want: dict) -> str | None:
+    """What differs between `file` and its manifest entry `want` (size, then hash), or None."""
+    if not file.is_file():
+        return f"{name} is missing"
+    if file.stat().st_size != want["size"]:
+        return f"{name} is {file.stat().st_size} bytes, {want['size']} when saved (truncated?)"
+    if file_digest(file)[HASH] != want[HASH]:
+        return f"{name} has changed since it was saved ({HASH} differs)"
+    return None
 
 
 def _warn(message: str) -> None:

@@ -252,7 +252,7 @@ class CheckpointConfig:
     """auto: latest complete checkpoint in output_dir, else start fresh | never | a checkpoint path."""
     allow_changes: list[str] = field(default_factory=list)
     """Keys a resume may change although they make it another run (e.g. [train.grad_accum_steps, data.path]);
-    a resume that changes any other such key is refused, naming it (llmtrain/resume.py)."""
+    a resume that changes any other such key is refused, naming it (llmtrain/run/resume.py)."""
     export_every_steps: int = ranged("[0, inf)", default=0)
     """Also write a Hugging Face export to output_dir/hf/step_<N> every N steps; 0 disables."""
     export_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -341,6 +341,11 @@ class Config:
     """Where metrics, checkpoints and the HF export go."""
 
 
+# Keys that moved to another section: refused with one line naming the new key.
+MOVED = {f"grpo.{key}": f"rollout.{key}" for key in ("engine", "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode",
+                                                     "vllm_server_url", "vllm_server_timeout", "vllm_group_port")}
+
+
 def _suggest(key: str, valid: list[str]) -> str:
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(valid)}"
@@ -411,6 +416,8 @@ def _build(cls: type, raw: dict, prefix: str) -> Any:
     kwargs = {}
     for key, value in raw.items():
         dotted = f"{prefix}{key}"
+        if key not in names and dotted in MOVED:
+            raise ConfigError(f"{dotted} moved to {MOVED[dotted]}")
         if key not in names:
             raise ConfigError(f"unknown config key '{dotted}'{_suggest(dotted, [prefix + n for n in names])}")
         key = names[key]

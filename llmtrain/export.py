@@ -88,37 +88,28 @@ def write_adapter(trained: dict[str, torch.Tensor], out: Path, section: LoraConf
     publish(tmp, out)
 
 
-def written(write: Callable[[], None] | None, out: Path, size: int, wait_minutes: float) -> None:
+def write_until_fits(write: Callable[[], None] | None, out: Path, size: int, wait_minutes: float) -> None:
     """Collective: rank 0 runs `write` (the other ranks pass None) until it fits. A full disk never loses the
     weights `write` holds in memory: the partial `<out>.tmp` goes, and rank 0 tries again every RETRY_S while
     the user frees space, for up to wait_minutes; then every rank raises ExportError saying so. Every rank
     learns each try's outcome (a broadcast), so none dies waiting on a rank that failed."""
     deadline, warned, error = time.monotonic() + 60 * wait_minutes, False, None
     while True:
-        outcome: list = [None]  # None: written | "retry" | the message of a failure
+        outcome = None  # None: written | "retry" | the message of a failure
         if write is not None:
             try:
                 write()
             except Exception as e:
                 shutil.rmtree(out.with_name(out.name + ".tmp"), ignore_errors=True)
-                if not no_space(e):  # rank 0 raises it itself (its traceback), the others an ExportError
-                    error = e
-                    outcome = [f"the export to {out} failed on rank 0: {type(e).__name__}: {e}"[:500]]
-                elif time.monotonic() < deadline:
-                    if not warned:
-                        warned = True
-                        print(f"warning: no space left on device in {out.parent}: the export {out.name} needs about "
-                              f"{megabytes(size)}, {megabytes(free_bytes(out))} free. The trained weights are kept "
-                              f"in memory: free space there; retrying every {RETRY_S:g} s for up to "
-                              f"{wait_minutes:g} minutes (checkpoint.export_wait_minutes)", file=sys.stderr,
-                              flush=True)
-                    outcome = ["retry"]
-                else:
-                    outcome = [f"no space left on device in {out.parent}: the export {out.name} (about "
-                               f"{megabytes(size)}) could not be written ({megabytes(free_bytes(out))} free after "
-                               f"waiting {wait_minutes:g} minutes, checkpoint.export_wait_minutes); the partial "
-                               f"{out.name}.tmp was removed"]
-        agreed = _agree(outcome)
+                error = None if no_space(e) else e  # rank 0 raises it itself (its traceback), the others an ExportError
+                outcome = _failed_try(e, out, size, wait_minutes, time.monotonic() < deadline)
+                if outcome == "retry" and not warned:
+                    warned = True
+                    print(f"warning: no space left on device in {out.parent}: the export {out.name} needs about "
+                          f"{megabytes(size)}, {megabytes(free_bytes(out))} free. The trained weights are kept in "
+                          f"memory: free space there; retrying every {RETRY_S:g} s for up to {wait_minutes:g} "
+                          "minutes (checkpoint.export_wait_minutes)", file=sys.stderr, flush=True)
+        agreed = _agree([outcome])
         if agreed != "retry":
             break
         time.sleep(RETRY_S)  # every rank: none waits in a collective meanwhile
@@ -127,6 +118,18 @@ def written(write: Callable[[], None] | None, out: Path, size: int, wait_minutes
     if error is not None:
         raise error
     raise ExportError(agreed)
+
+
+def _failed_try(e: Exception, out: Path, size: int, wait_minutes: float, can_wait: bool) -> str:
+    """What a failed try of the export tells every rank: "retry" (the disk is full and there is time left) or
+    the failure's message."""
+    if not no_space(e):
+        return f"the export to {out} failed on rank 0: {type(e).__name__}: {e}"[:500]
+    if can_wait:
+        return "retry"
+    return (f"no space left on device in {out.parent}: the export {out.name} (about {megabytes(size)}) could not "
+            f"be written ({megabytes(free_bytes(out))} free after waiting {wait_minutes:g} minutes, "
+            f"checkpoint.export_wait_minutes); the partial {out.name}.tmp was removed")
 
 
 def _agree(outcome: list) -> str | None:
@@ -155,12 +158,12 @@ def _bytes(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> 
 
 def export_hf(model: nn.Module, strategy: Strategy, device: torch.device, out: str | Path, config, tokenizer,
               dtype: torch.dtype = torch.float32, max_shard_size: str = "5GB", wait_minutes: float = 0.0) -> None:
-    """Collective: all ranks gather, rank 0 writes (see `written`), all ranks learn the outcome."""
+    """Collective: all ranks gather, rank 0 writes (see `write_until_fits`), all ranks learn the outcome."""
     state, out = hf_state(model, strategy, device), Path(out)
     main = dist.get_rank() == 0
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()  # written once (write_hf)
-    written((lambda: write_hf(dict(state), out, config, tokenizer, dtype, max_shard_size)) if main else None, out,
-            _bytes({k: v for k, v in state.items() if k not in tied}, dtype), wait_minutes)
+    write = (lambda: write_hf(dict(state), out, config, tokenizer, dtype, max_shard_size)) if main else None
+    write_until_fits(write, out, _bytes({k: v for k, v in state.items() if k not in tied}, dtype), wait_minutes)
 
 
 def export_lora(model: nn.Module, strategy: Strategy, device: torch.device, output_dir: Path, step_dir: str,
@@ -172,13 +175,13 @@ def export_lora(model: nn.Module, strategy: Strategy, device: torch.device, outp
     if "adapter" in LORA_OUTPUTS[section.export]:
         adapters = strategy.full_weights(model, device, trainable_only=True)
         out = output_dir / "adapter" / step_dir
-        written((lambda: write_adapter(adapters, out, section, base_path)) if main else None, out,
-                _bytes(adapters, torch.float32), wait_minutes)
+        write_until_fits((lambda: write_adapter(adapters, out, section, base_path)) if main else None, out,
+                         _bytes(adapters, torch.float32), wait_minutes)
         written_dirs.append(out)
     if "hf" in LORA_OUTPUTS[section.export]:
         state = hf_state(model, strategy, device, section)
         out = output_dir / "hf" / step_dir
-        written((lambda: write_hf(dict(state), out, model_config, tokenizer, dtype, max_shard_size)) if main else None,
-                out, _bytes(state, dtype), wait_minutes)
+        write = (lambda: write_hf(dict(state), out, model_config, tokenizer, dtype, max_shard_size)) if main else None
+        write_until_fits(write, out, _bytes(state, dtype), wait_minutes)
         written_dirs.append(out)
     return written_dirs

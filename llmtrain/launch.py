@@ -14,6 +14,7 @@ the log as not used.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NamedTuple
 
 from llmtrain.config import ConfigError, ParallelConfig
 
@@ -34,8 +35,110 @@ _FIXED_BY_RECIPE = {
 }
 
 
+class Ask(NamedTuple):
+    """A setting accelerate asks for: `what` (as accelerate spells it), the parallel.* `key` that gives it and the
+    `value` that key must have; key None: the recipe cannot give it, and `value` says what to use instead."""
+    what: str
+    key: str | None
+    value: object
+
+
 def _true(value: str | None) -> bool:
     return str(value).strip().lower() in ("1", "true", "yes", "on")
+
+
+def _size(value: str | None) -> str:
+    return "1" if value is None else value
+
+
+def _fsdp_version(environ: Mapping[str, str]) -> str | None:
+    return environ.get("FSDP_VERSION", "1").strip() if _true(environ.get("ACCELERATE_USE_FSDP")) else None
+
+
+def _version(raw: str | None) -> Ask:
+    version = (raw or "1").strip()
+    if version not in ("1", "2"):
+        return Ask(f"FSDP_VERSION={version}", None, "use 1 or 2")
+    return Ask(f"FSDP version {version} (ACCELERATE_USE_FSDP, FSDP_VERSION)", "parallel.strategy",
+               {"1": "fsdp", "2": "fsdp2"}[version])
+
+
+def _sharding(raw: str | None) -> Ask | None:
+    raw = (raw or "FULL_SHARD").strip().upper()
+    name = _SHARDING[int(raw) - 1] if raw.isdigit() and 1 <= int(raw) <= len(_SHARDING) else raw
+    if name == "HYBRID_SHARD_ZERO2":
+        return Ask("FSDP_SHARDING_STRATEGY=HYBRID_SHARD_ZERO2", None, "use HYBRID_SHARD with parallel.replicate")
+    if name != "FULL_SHARD":
+        return Ask(f"FSDP1 sharding (FSDP_SHARDING_STRATEGY={raw})", "parallel.sharding_strategy", name)
+    return None
+
+
+def _mixed(raw: str | None) -> Ask | None:
+    mixed = (raw or "no").strip().lower()
+    if mixed in _MIXED:
+        return Ask(f"mixed precision {mixed} (ACCELERATE_MIXED_PRECISION)", "parallel.mixed_precision", _MIXED[mixed])
+    if mixed not in ("no", ""):
+        return Ask(f"ACCELERATE_MIXED_PRECISION={mixed}", None, "parallel.mixed_precision is fp32, bf16 or fp16")
+    return None
+
+
+def _dynamo(raw: str | None) -> Ask | None:
+    dynamo = (raw or "NO").strip().upper()
+    if dynamo == "INDUCTOR":
+        return Ask("torch.compile (ACCELERATE_DYNAMO_BACKEND=INDUCTOR)", "parallel.compile", True)
+    if dynamo not in ("NO", ""):
+        return Ask(f"ACCELERATE_DYNAMO_BACKEND={dynamo}", None, "parallel.compile=true compiles with inductor")
+    return None
+
+
+# When a rule applies (the launch's kind), read from the whole environment.
+def _always(environ: Mapping[str, str]) -> bool:
+    return True
+
+
+def _parallelism(environ: Mapping[str, str]) -> bool:
+    return _true(environ.get("ACCELERATE_USE_PARALLELISM_CONFIG"))
+
+
+def _fsdp(environ: Mapping[str, str]) -> bool:
+    return _fsdp_version(environ) is not None
+
+
+def _fsdp1(environ: Mapping[str, str]) -> bool:
+    return _fsdp_version(environ) == "1"
+
+
+def _fsdp2(environ: Mapping[str, str]) -> bool:
+    return _fsdp_version(environ) == "2"
+
+
+# What accelerate asks for, in the order it is reported: (when the rule applies, the variable, its reading: the
+# variable's raw value, None when unset -> an Ask, or None when it asks for nothing).
+_RULES = [
+    (_always, "ACCELERATE_USE_DEEPSPEED", lambda v: _true(v) and Ask(
+        "DeepSpeed (ACCELERATE_USE_DEEPSPEED)", None, "for ZeRO-3-style sharding use parallel.strategy=fsdp2")),
+    (_always, "ACCELERATE_USE_MEGATRON_LM", lambda v: _true(v) and Ask(
+        "Megatron-LM (ACCELERATE_USE_MEGATRON_LM)", None, "use parallel.strategy=fsdp2")),
+    *((_parallelism, f"PARALLELISM_CONFIG_{kind}_SIZE", lambda v, kind=kind: _size(v) not in ("", "1") and Ask(
+        f"PARALLELISM_CONFIG_{kind}_SIZE={v}", None, "only data parallelism (parallel.*) is"))
+      for kind in ("TP", "CP", "SP")),
+    (_parallelism, "PARALLELISM_CONFIG_DP_REPLICATE_SIZE", lambda v: _size(v) not in ("", "1") and Ask(
+        f"HSDP replicas (PARALLELISM_CONFIG_DP_REPLICATE_SIZE={v})", "parallel.replicate", int(v))),
+    (_fsdp, "FSDP_VERSION", _version),
+    (_fsdp1, "FSDP_SHARDING_STRATEGY", _sharding),
+    (_fsdp2, "FSDP_RESHARD_AFTER_FORWARD", lambda v: (v or "true").strip().lower() == "false" and Ask(
+        "FSDP_RESHARD_AFTER_FORWARD=false", "parallel.reshard_after_forward", False)),
+    (_fsdp, "FSDP_OFFLOAD_PARAMS", lambda v: _true(v) and Ask(
+        "FSDP_OFFLOAD_PARAMS=true", "parallel.cpu_offload", True)),
+    (_fsdp, "FSDP_ACTIVATION_CHECKPOINTING", lambda v: _true(v) and Ask(
+        "FSDP_ACTIVATION_CHECKPOINTING=true", "parallel.activation_checkpointing", True)),
+    (_fsdp, "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", lambda v: _true(v) and Ask(
+        "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD=true", None, "use parallel.activation_checkpointing")),
+    (_fsdp, "FSDP_IGNORED_MODULES", lambda v: bool(v) and Ask(
+        f"FSDP_IGNORED_MODULES={v}", None, "every decoder layer is sharded")),
+    (_always, "ACCELERATE_MIXED_PRECISION", _mixed),
+    (_always, "ACCELERATE_DYNAMO_BACKEND", _dynamo),
+]
 
 
 def check_accelerate(section: ParallelConfig, environ: Mapping[str, str]) -> list[str]:
@@ -46,72 +149,17 @@ def check_accelerate(section: ParallelConfig, environ: Mapping[str, str]) -> lis
         return []
     asks: list[str] = []        # what accelerate asks for and parallel.* agrees with
     conflicts: list[str] = []   # what accelerate asks for and parallel.* does not give
-    unused: list[str] = []
-
-    def want(what: str, key: str, value, current) -> None:
-        if current == value:
-            asks.append(f"{what} = {key}={_fmt(value)}")
+    for applies, variable, read in _RULES:
+        if not applies(environ) or not (ask := read(environ.get(variable))):
+            continue
+        if ask.key is None:
+            conflicts.append(f"{ask.what}: not supported by this recipe; {ask.value}")
+        elif (current := getattr(section, ask.key.removeprefix("parallel."))) == ask.value:
+            asks.append(f"{ask.what} = {ask.key}={_fmt(ask.value)}")
         else:
-            conflicts.append(f"{what}: set {key}={_fmt(value)} (it is {_fmt(current)})")
-
-    def unsupported(what: str, instead: str) -> None:
-        conflicts.append(f"{what}: not supported by this recipe; {instead}")
-
-    if _true(environ.get("ACCELERATE_USE_DEEPSPEED")):
-        unsupported("DeepSpeed (ACCELERATE_USE_DEEPSPEED)", "for ZeRO-3-style sharding use parallel.strategy=fsdp2")
-    if _true(environ.get("ACCELERATE_USE_MEGATRON_LM")):
-        unsupported("Megatron-LM (ACCELERATE_USE_MEGATRON_LM)", "use parallel.strategy=fsdp2")
-    if _true(environ.get("ACCELERATE_USE_PARALLELISM_CONFIG")):
-        for kind in ("TP", "CP", "SP"):
-            size = environ.get(f"PARALLELISM_CONFIG_{kind}_SIZE", "1")
-            if size not in ("", "1"):
-                unsupported(f"PARALLELISM_CONFIG_{kind}_SIZE={size}", "only data parallelism (parallel.*) is")
-        replicate = environ.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1")
-        if replicate not in ("", "1"):
-            want(f"HSDP replicas (PARALLELISM_CONFIG_DP_REPLICATE_SIZE={replicate})", "parallel.replicate",
-                 int(replicate), section.replicate)
-
-    if _true(environ.get("ACCELERATE_USE_FSDP")):
-        version = environ.get("FSDP_VERSION", "1").strip()
-        strategy = {"1": "fsdp", "2": "fsdp2"}.get(version)
-        if strategy is None:
-            unsupported(f"FSDP_VERSION={version}", "use 1 or 2")
-        else:
-            want(f"FSDP version {version} (ACCELERATE_USE_FSDP, FSDP_VERSION)", "parallel.strategy", strategy,
-                 section.strategy)
-        if version == "1":
-            raw = environ.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD").strip().upper()
-            name = _SHARDING[int(raw) - 1] if raw.isdigit() and 1 <= int(raw) <= len(_SHARDING) else raw
-            if name == "HYBRID_SHARD_ZERO2":
-                unsupported("FSDP_SHARDING_STRATEGY=HYBRID_SHARD_ZERO2", "use HYBRID_SHARD with parallel.replicate")
-            elif name != "FULL_SHARD":
-                want(f"FSDP1 sharding (FSDP_SHARDING_STRATEGY={raw})", "parallel.sharding_strategy", name,
-                     section.sharding_strategy)
-        elif version == "2" and environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").strip().lower() == "false":
-            want("FSDP_RESHARD_AFTER_FORWARD=false", "parallel.reshard_after_forward", False,
-                 section.reshard_after_forward)
-        if _true(environ.get("FSDP_OFFLOAD_PARAMS")):
-            want("FSDP_OFFLOAD_PARAMS=true", "parallel.cpu_offload", True, section.cpu_offload)
-        if _true(environ.get("FSDP_ACTIVATION_CHECKPOINTING")):
-            want("FSDP_ACTIVATION_CHECKPOINTING=true", "parallel.activation_checkpointing", True,
-                 section.activation_checkpointing)
-        if _true(environ.get("FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD")):
-            unsupported("FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD=true", "use parallel.activation_checkpointing")
-        if environ.get("FSDP_IGNORED_MODULES"):
-            unsupported(f"FSDP_IGNORED_MODULES={environ['FSDP_IGNORED_MODULES']}", "every decoder layer is sharded")
-        unused = [f"{k}={environ[k]} ({why})" for k, why in _FIXED_BY_RECIPE.items() if k in environ]
-
-    mixed = environ.get("ACCELERATE_MIXED_PRECISION", "no").strip().lower()
-    if mixed in _MIXED:
-        want(f"mixed precision {mixed} (ACCELERATE_MIXED_PRECISION)", "parallel.mixed_precision", _MIXED[mixed],
-             section.mixed_precision)
-    elif mixed not in ("no", ""):
-        unsupported(f"ACCELERATE_MIXED_PRECISION={mixed}", "parallel.mixed_precision is fp32, bf16 or fp16")
-    dynamo = environ.get("ACCELERATE_DYNAMO_BACKEND", "NO").strip().upper()
-    if dynamo == "INDUCTOR":
-        want("torch.compile (ACCELERATE_DYNAMO_BACKEND=INDUCTOR)", "parallel.compile", True, section.compile)
-    elif dynamo not in ("NO", ""):
-        unsupported(f"ACCELERATE_DYNAMO_BACKEND={dynamo}", "parallel.compile=true compiles with inductor")
+            conflicts.append(f"{ask.what}: set {ask.key}={_fmt(ask.value)} (it is {_fmt(current)})")
+    unused = [f"{k}={environ[k]} ({why})" for k, why in _FIXED_BY_RECIPE.items() if k in environ] \
+        if _fsdp(environ) else []
 
     if conflicts:
         raise ConfigError(

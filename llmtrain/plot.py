@@ -113,72 +113,14 @@ def plot(records: list[dict], out: Path, title: str) -> None:
     fig, axes = plt.subplots(rows, 2, figsize=(13, 4 * rows), constrained_layout=True, squeeze=False)
     ax_loss, ax_lr, ax_tput, ax_grad, *ax_extra = axes.flat
     fig.suptitle(title, fontsize=13)
-
-    def empty(ax, what: str) -> None:
-        ax.text(0.5, 0.5, f"no {what} in metrics.jsonl", ha="center", va="center", transform=ax.transAxes,
-                color="gray")
-
-    steps, loss = series(records, "loss")
-    vsteps, vloss = series(records, "val_loss")
-    if loss:
-        ax_loss.plot(steps, loss, color="tab:blue", lw=1.6, label=f"train loss (last {_last(loss)})")
-    if vloss:
-        ax_loss.plot(vsteps, vloss, color="tab:orange", lw=1.6, marker="o", ms=4,
-                     label=f"val loss (last {_last(vloss)}, best {min(vloss):.4g})")
-    if loss or vloss:
-        ax_loss.legend(loc="upper right")
-    else:
-        empty(ax_loss, "loss")
-    ax_loss.set_title("Loss")
-
-    steps, lr = series(records, "lr")
-    if lr:
-        ax_lr.plot(steps, lr, color="tab:green", lw=1.6)
+    loss_panel(ax_loss, records)
+    line_panel(ax_lr, records, "lr", "Learning rate", "tab:green", 1.6)
+    if series(records, "lr")[1]:
         ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
-    else:
-        empty(ax_lr, "lr")
-    ax_lr.set_title("Learning rate")
-
-    steps, tps = series(records, "tokens_per_sec")
-    msteps, mfu = series(records, "mfu")
-    fsteps, tflops = series(records, "tflops")
-    if tps:
-        ax_tput.plot(steps, tps, color="tab:purple", lw=1.6, label=f"tokens/s, all devices (last {_last(tps)})")
-        ax_tput.set_ylim(bottom=0)
-        ax_tput.set_ylabel("tokens/s")
-        twin = ax_tput.twinx()
-        if mfu:
-            twin.plot(msteps, [100 * m for m in mfu], color="tab:red", lw=1.2, ls="--",
-                      label=f"MFU % (last {100 * mfu[-1]:.1f})")
-            twin.set_ylabel("MFU %")
-        elif tflops:
-            twin.plot(fsteps, tflops, color="tab:red", lw=1.2, ls="--",
-                      label=f"TFLOP/s per device (last {_last(tflops)})")
-            twin.set_ylabel("TFLOP/s per device")
-        twin.set_ylim(bottom=0)
-        lines = ax_tput.get_lines() + twin.get_lines()
-        ax_tput.legend(lines, [ln.get_label() for ln in lines], loc="best", framealpha=0.85)
-    else:
-        empty(ax_tput, "tokens_per_sec")
-    ax_tput.set_title("Throughput")
-
-    steps, grad = series(records, "grad_norm")
-    if grad:
-        ax_grad.plot(steps, grad, color="tab:brown", lw=1.4)
-    else:
-        empty(ax_grad, "grad_norm")
-    ax_grad.set_title("Gradient norm (before clipping)")
-
+    throughput_panel(ax_tput, records)
+    line_panel(ax_grad, records, "grad_norm", "Gradient norm (before clipping)", "tab:brown", 1.4)
     for ax, panel in zip(ax_extra, extra):
-        colors: dict[str, str] = {}  # val_<key> in <key>'s colour
-        for key in panel.keys:
-            steps, values = series(records, key)
-            val = key.startswith("val_")
-            ax.plot(steps, values, lw=1.4, ls="--" if val else "-", marker="o" if val else None, ms=3,
-                    color=colors.setdefault(key.removeprefix("val_"), f"C{len(colors)}"),
-                    label=f"{key} (last {_last(values)})")
-        ax.legend(loc="best", fontsize=8, framealpha=0.85)
-        ax.set_title(panel.title)
+        recipe_panel(ax, records, panel)
     if len(ax_extra) > len(extra):  # an odd number of panels
         ax_extra[-1].set_visible(False)
 
@@ -188,6 +130,74 @@ def plot(records: list[dict], out: Path, title: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
+
+
+def _empty(ax, what: str) -> None:
+    ax.text(0.5, 0.5, f"no {what} in metrics.jsonl", ha="center", va="center", transform=ax.transAxes, color="gray")
+
+
+def loss_panel(ax, records: list[dict]) -> None:
+    """Train loss and, where logged, val loss (its best in the legend)."""
+    steps, loss = series(records, "loss")
+    vsteps, vloss = series(records, "val_loss")
+    if loss:
+        ax.plot(steps, loss, color="tab:blue", lw=1.6, label=f"train loss (last {_last(loss)})")
+    if vloss:
+        ax.plot(vsteps, vloss, color="tab:orange", lw=1.6, marker="o", ms=4,
+                label=f"val loss (last {_last(vloss)}, best {min(vloss):.4g})")
+    if loss or vloss:
+        ax.legend(loc="upper right")
+    else:
+        _empty(ax, "loss")
+    ax.set_title("Loss")
+
+
+def line_panel(ax, records: list[dict], key: str, title: str, color: str, lw: float) -> None:
+    """One metric as a line, or a note that it was not logged."""
+    steps, values = series(records, key)
+    if values:
+        ax.plot(steps, values, color=color, lw=lw)
+    else:
+        _empty(ax, key)
+    ax.set_title(title)
+
+
+def throughput_panel(ax, records: list[dict]) -> None:
+    """tokens/s on the left axis; MFU (or, without a known peak, TFLOP/s per device) on the right."""
+    steps, tps = series(records, "tokens_per_sec")
+    ax.set_title("Throughput")
+    if not tps:
+        _empty(ax, "tokens_per_sec")
+        return
+    msteps, mfu = series(records, "mfu")
+    fsteps, tflops = series(records, "tflops")
+    ax.plot(steps, tps, color="tab:purple", lw=1.6, label=f"tokens/s, all devices (last {_last(tps)})")
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel("tokens/s")
+    twin = ax.twinx()
+    if mfu:
+        twin.plot(msteps, [100 * m for m in mfu], color="tab:red", lw=1.2, ls="--",
+                  label=f"MFU % (last {100 * mfu[-1]:.1f})")
+        twin.set_ylabel("MFU %")
+    elif tflops:
+        twin.plot(fsteps, tflops, color="tab:red", lw=1.2, ls="--", label=f"TFLOP/s per device (last {_last(tflops)})")
+        twin.set_ylabel("TFLOP/s per device")
+    twin.set_ylim(bottom=0)
+    lines = ax.get_lines() + twin.get_lines()
+    ax.legend(lines, [ln.get_label() for ln in lines], loc="best", framealpha=0.85)
+
+
+def recipe_panel(ax, records: list[dict], panel: Panel) -> None:
+    """A recipe's panel (panels()): its keys, each val_<key> dashed in <key>'s colour."""
+    colors: dict[str, str] = {}
+    for key in panel.keys:
+        steps, values = series(records, key)
+        val = key.startswith("val_")
+        ax.plot(steps, values, lw=1.4, ls="--" if val else "-", marker="o" if val else None, ms=3,
+                color=colors.setdefault(key.removeprefix("val_"), f"C{len(colors)}"),
+                label=f"{key} (last {_last(values)})")
+    ax.legend(loc="best", fontsize=8, framealpha=0.85)
+    ax.set_title(panel.title)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 
 from llmtrain.config import ConfigError, DataConfig, to_dict
-from llmtrain.resume import data_fingerprint
+from llmtrain.run.resume import data_fingerprint
 from llmtrain.utils import follow_umask
 
 KEY = "distill.teacher_logits"

@@ -26,7 +26,7 @@ from llmtrain import data
 from llmtrain import teacher_logits as stored
 from llmtrain.config import DataConfig
 from llmtrain.models.hf import load_tokenizer
-from llmtrain.resume import data_fingerprint
+from llmtrain.run.resume import data_fingerprint
 
 VAL = REPO / "data" / "demo" / "val.jsonl"
 TOL = 2e-5

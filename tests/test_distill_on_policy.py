@@ -24,7 +24,7 @@ from helpers.procs import read_metrics, run_side_by_side
 from llmtrain import data
 from llmtrain.config import DataConfig
 from llmtrain.models.hf import load_tokenizer, stop_ids
-from llmtrain.recipes.distill import on_policy
+from llmtrain.rollout.on_policy import on_policy
 from llmtrain.rollout.local import Sampling, generate
 
 TOL = 2e-5

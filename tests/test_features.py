@@ -113,7 +113,7 @@ def model_dir(tmp_path_factory) -> tuple:
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
 def test_loading_holds_own_shards_plus_one_unit(tmp_path, model_dir, strategy):
-    """4 ranks load the model from model.path (bench/memory_probe.py: the recipe's own loading path).
+    """4 ranks load the model from model.path (bench/benchmarks/memory/probe.py: the recipe's own loading path).
     Each rank's peak of anonymous memory while parallelizing and loading is its shards plus, at most, the
     largest unit gathered and one tensor read (fsdp; fsdp2 reads slices): not a copy of the model per rank."""
     path, weights = model_dir

@@ -1,4 +1,4 @@
-"""recipes/grpo.py with grpo.engine=transformers end to end (tests/test_grpo_recipe.py's tiny Llama, prompts and
+"""recipes/grpo.py with rollout.engine=transformers end to end (tests/test_grpo_recipe.py's tiny Llama, prompts and
 length reward): one process (LoRA: the engine samples the merged weights) and 2 ranks under ddp and fsdp2 train
 with finite rewards and losses and log the drift guard with the engine's log-probs within 1e-5 nats of the
 trainer's (fp32, no top-k / top-p), ddp and fsdp2 (the same rows per rank) sampling the same completions and
@@ -16,15 +16,15 @@ import pytest
 from helpers.procs import finish_recipe, read_metrics, run_recipe, start_recipe
 from helpers.grpo import GRPO, write_config
 
-ENGINE = ("grpo.engine=transformers", "train.max_steps=4")
+ENGINE = ("rollout.engine=transformers", "train.max_steps=4")
 TWO = ("train.micro_batch_size=3",)
 # An entry point running the recipe with a transformers engine that keeps its first weights (a real subclass).
 STALE = """\
 import runpy, sys
 sys.path.insert(0, REPO)
-from llmtrain.rollout import engine, registry
+from llmtrain.rollout import registry, transformers
 
-class Stale(engine.TransformersEngine):
+class Stale(transformers.TransformersEngine):
     def update_weights(self, step, full):
         if step == 0:
             super().update_weights(step, full)
@@ -44,7 +44,7 @@ def runs(tmp_path_factory):
         "ddp": (2, (*ENGINE, "parallel.strategy=ddp", *TWO), GRPO),
         "fsdp2": (2, (*ENGINE, "parallel.strategy=fsdp2", *TWO), GRPO),
         "cut": (2, (*ENGINE, "parallel.strategy=fsdp2", *TWO, "train.max_steps=2", "checkpoint.every_steps=2"), GRPO),
-        "stale": (2, ("grpo.engine=transformers", "parallel.strategy=ddp", *TWO, "grpo.num_iterations=1",
+        "stale": (2, ("rollout.engine=transformers", "parallel.strategy=ddp", *TWO, "grpo.num_iterations=1",
                       "grpo.beta=0.0", "checkpoint.every_steps=1", "train.max_steps=3"), tmp / "stale.py"),
     }
     running, results = [], {}
@@ -101,7 +101,7 @@ def test_a_stale_engine_stops_the_step_with_one_line(runs):
     errors = {line.split(": ", 1)[1].rsplit(" (traceback in ", 1)[0] for line in res.stderr.splitlines()
               if line.startswith("error")}
     (line,) = errors
-    assert line.startswith("grpo.engine=transformers: after the weight push for step 2, rank 0's engine differs "
+    assert line.startswith("rollout.engine=transformers: after the weight push for step 2, rank 0's engine differs "
                            "from the trainer on "), res.stderr[-3000:]
     assert line.endswith(": it would sample from stale weights"), line
     assert sorted(steps(out)) == [1] and 'grpo.py", line' not in res.stderr

@@ -1,8 +1,8 @@
-"""grpo.engine: the vLLM glue of llmtrain.rollout.vllm against a fake vLLM (no vllm installed: RequestOutput-
+"""rollout.engine: the vLLM glue of llmtrain.rollout.vllm against a fake vLLM (no vllm installed: RequestOutput-
 shaped answers from an LLM.generate stand-in): one request per row with its key's seed, the sampling
 parameters and EOS ids as stop tokens; the answers read back as Completions with the sampled tokens' log-probs,
 cut after the first EOS, truncation flagged, and reproducible by key whatever the batch (the vLLM engine around
-this glue and grpo.engine's set-up checks: tests/test_grpo_vllm.py). The transformers engine (a real 1-rank gloo
+this glue and rollout.engine's set-up checks: tests/test_grpo_vllm.py). The transformers engine (a real 1-rank gloo
 group): it samples with the weights pushed into it (export.hf_state of a trainer model), its log-probs are the
 trainer's filtered distribution's (temperature, top-k, top-p) to 1e-5, the same rows give the same completions;
 the weight-sync fingerprint (llmtrain.rollout.sync) of its copy equals the trainer's after a push, and one stale
@@ -21,7 +21,9 @@ from helpers.engines import stale_copy_is_caught
 from llmtrain.export import hf_state
 from llmtrain.parallelize import STRATEGIES
 from llmtrain.rollout import sync
-from llmtrain.rollout.engine import EngineSetup, TransformersEngine
+from llmtrain.rollout.engine import EngineSetup
+from llmtrain.rollout.section import RolloutSection
+from llmtrain.rollout.transformers import TransformersEngine
 from llmtrain.rollout.local import Sampling, filter_logits, sample_seed
 from llmtrain.rollout.rows import training_rows
 from llmtrain.rollout.vllm import from_vllm, vllm_requests
@@ -119,12 +121,12 @@ def trainer_and_engine() -> tuple[LlamaForCausalLM, TransformersEngine]:
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          tie_word_embeddings=True)
-    setup = EngineSetup(64, len(ROWS), 7, torch.float32, "unused", 0.3, False)
-    return LlamaForCausalLM(config), TransformersEngine(None, config, None, EOS, PAD, CPU, setup)
+    setup = EngineSetup(None, config, None, EOS, PAD, CPU, 64, len(ROWS), 7, torch.float32, "unused")
+    return LlamaForCausalLM(config), TransformersEngine(RolloutSection(), setup)
 
 
 def push(trainer, engine, step: int) -> dict[str, float]:
-    """What recipes/grpo.py's Rollouts.push does: gather, push, fingerprint the trainer's weights."""
+    """What llmtrain.rollout.sync.WeightSync.push does: gather, push, fingerprint the trainer's weights."""
     full = hf_state(trainer, STRATEGIES["none"], CPU)
     engine.update_weights(step, full)
     return sync.trainer_fingerprint(full, 7, step, engine.weights_dtype)

@@ -18,7 +18,7 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 from helpers import REPO
 from helpers.procs import launch
 from llmtrain.data.formats import IGNORE
-from llmtrain.rollout.local import Completions, Sampling, filter_logits, generate, pick, sample_seed
+from llmtrain.rollout.local import CompletionGrid, Sampling, filter_logits, generate, pick, sample_seed
 from llmtrain.rollout.rows import training_rows
 from llmtrain.losses.token import next_token_targets
 
@@ -119,7 +119,7 @@ def test_top_k_1_is_greedy_as_model_generate():
 def test_training_rows():
     """prompt + completion right-padded; labels the completion with its EOS; a truncated one masked on request;
     the loss's per-token grid (next-token targets) lines up with the completion's tokens."""
-    c = Completions(torch.tensor([[5, 2, 0], [6, 7, 8]]), torch.tensor([[1, 1, 0], [1, 1, 1]]).bool(),
+    c = CompletionGrid(torch.tensor([[5, 2, 0], [6, 7, 8]]), torch.tensor([[1, 1, 0], [1, 1, 1]]).bool(),
                     torch.tensor([2, 3]), torch.tensor([False, True]))
     rows = training_rows([[1, 4, 6], [1, 9]], c, PAD, mask_truncated=False)
     assert rows["input_ids"].tolist() == [[1, 4, 6, 5, 2, 0], [1, 9, 6, 7, 8, 0]]

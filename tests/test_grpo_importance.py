@@ -140,7 +140,7 @@ def test_an_engine_that_agrees_logs_no_drift():
 
 def test_bad_values_name_the_key():
     for key, value in [("grpo.importance_correction", "is"), ("grpo.importance_level", "batch"),
-                       ("grpo.importance_cap", 0.0), ("grpo.engine", "tgi")]:
+                       ("grpo.importance_cap", 0.0), ("rollout.engine", "tgi")]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as e:
             load_config(TINY, [f"{key}={value!r}"], GRPOConfig)
         assert "\n" not in str(e.value)

@@ -17,7 +17,7 @@ from helpers import TINY
 from llmtrain.config import ConfigError, load_config
 from llmtrain.losses import policy
 from llmtrain.losses.token import TokenLoss
-from llmtrain.recipes import grpo
+from llmtrain.recipes.grpo import config as grpo
 from helpers.heads import CONFIGS, HEADS, batch, loss_and_grads, tiny_head
 
 ROWS, WIDTH, MAX_LEN = 6, 7, 9

@@ -1,4 +1,4 @@
-"""grpo.engine=vllm (llmtrain.rollout.vllm.VLLMEngine) against a fake `vllm` module put in sys.modules (vllm is not
+"""rollout.engine=vllm (llmtrain.rollout.vllm.VLLMEngine) against a fake `vllm` module put in sys.modules (vllm is not
 installed here and needs a GPU): the LLM it builds (the policy's config in a directory under output_dir, dummy
 weights, no tokenizer, external_launcher, processed log-probs, the EngineSetup's sizes and dtype); the requests of
 keyed rows (vllm_requests' parameters as SamplingParams, token-id prompts) and the Completions read back (tokens to
@@ -7,8 +7,8 @@ trainer Llama with GQA and tied embeddings) through load_weights by Hugging Face
 vLLM's (q/k/v and gate/up fused, vocabulary padded to 64, lm_head tied), after which every Hugging Face tensor read
 back through hf_view equals the trainer's in bf16, the fingerprint equals sync.trainer_fingerprint's and a stale
 copy stops the step (sync.check) until the next push; sleep mode's order (asleep after building and after each
-generate, woken before a push); and the set-up refusals of grpo.engine=vllm (on CPU; on CUDA without the package:
-find_spec faked), one line each naming the key. A real vLLM on a GPU: bench/gpu_engines.py (through bench/gpu.sh)."""
+generate, woken before a push); and the set-up refusals of rollout.engine=vllm (on CPU; on CUDA without the package:
+find_spec faked), one line each naming the key. A real vLLM on a GPU: bench/gpu/engines.py (through bench/gpu.sh)."""
 
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ from llmtrain.config import ConfigError, RunError, load_config
 from llmtrain.export import hf_state
 from llmtrain.parallelize import STRATEGIES
 from llmtrain.recipes.grpo import GRPO, GRPOConfig
-from llmtrain.rollout import registry, sync
+from llmtrain.rollout import section as rollout_section, sync
 from llmtrain.rollout.engine import EngineSetup
+from llmtrain.rollout.section import RolloutSection
 from llmtrain.rollout.local import Sampling
 from llmtrain.rollout.vllm import VLLMEngine, hf_view, vllm_requests
 
@@ -90,8 +91,8 @@ def fake_vllm(monkeypatch):
 
 
 def engine(tmp_path, model: LlamaForCausalLM, sleep_mode: bool = False) -> VLLMEngine:
-    setup = EngineSetup(48, len(ROWS), 7, torch.bfloat16, str(tmp_path), 0.25, sleep_mode)
-    return VLLMEngine(model, model.config, None, EOS, PAD, CPU, setup)
+    setup = EngineSetup(model, model.config, None, EOS, PAD, CPU, 48, len(ROWS), 7, torch.bfloat16, str(tmp_path))
+    return VLLMEngine(RolloutSection(vllm_gpu_memory_utilization=0.25, vllm_enable_sleep_mode=sleep_mode), setup)
 
 
 def test_llm_is_built_on_the_policy_config_with_dummy_weights(fake_vllm, tmp_path, single_process_group):
@@ -177,28 +178,28 @@ def test_a_name_vllm_does_not_hold_is_one_line():
     with pytest.raises(RunError) as e:
         hf_view(params, PACKED, {"model.layers.0.self_attn.q_proj.weight": (4, 4)},
                 "model.layers.0.self_attn.q_proj.weight")
-    assert str(e.value).startswith("grpo.engine=vllm: no vLLM parameter holds model.layers.0.self_attn.q_proj.weight "
-                                   "[4, 4]") and "\n" not in str(e.value)
+    assert str(e.value).startswith("rollout.engine=vllm: no vLLM parameter holds "
+                                   "model.layers.0.self_attn.q_proj.weight [4, 4]") and "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("cuda, installed, message", [
-    (False, True, "grpo.engine: vllm runs on CUDA GPUs only and this run is on CPU; use grpo.engine=local or "
+    (False, True, "rollout.engine: vllm runs on CUDA GPUs only and this run is on CPU; use rollout.engine=local or "
                   "transformers"),
-    (True, False, "grpo.engine: vllm is not installed in this environment; pip install vllm"),
+    (True, False, "rollout.engine: vllm is not installed in this environment; pip install vllm"),
 ])
 def test_vllm_is_refused_at_set_up_in_one_line(monkeypatch, cuda, installed, message):
-    monkeypatch.setattr(registry, "find_spec", lambda name: object() if installed else None)
+    monkeypatch.setattr(rollout_section, "find_spec", lambda name: object() if installed else None)
     for other in ("local", "transformers"):
-        registry.check_engine(other, cuda, None)
+        rollout_section.check_engine(RolloutSection(engine=other), cuda)
     with pytest.raises(ConfigError) as e:
-        registry.check_engine("vllm", cuda, None)
+        rollout_section.check_engine(RolloutSection(engine="vllm"), cuda)
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
 def test_vllm_on_cuda_with_the_package_is_taken(monkeypatch):
     looked_up = []
-    monkeypatch.setattr(registry, "find_spec", lambda name: looked_up.append(name) or object())
-    registry.check_engine("vllm", True, None)
+    monkeypatch.setattr(rollout_section, "find_spec", lambda name: looked_up.append(name) or object())
+    rollout_section.check_engine(RolloutSection(engine="vllm"), True)
     assert looked_up == ["vllm"]
 
 
@@ -209,24 +210,25 @@ model:
 tokenizer: {path: assets/tokenizer}
 data: {path: data/demo/prompts.jsonl, format: prompt, seq_len: 32}
 train: {micro_batch_size: 8}
-grpo: {engine: vllm, reward_funcs: [llmtrain.rewards:format_regex]}
+grpo: {reward_funcs: [llmtrain.rewards:format_regex]}
+rollout: {engine: vllm}
 """
 
 
 @pytest.mark.parametrize("device, message", [
-    ("cpu", "grpo.engine: vllm runs on CUDA GPUs only"),
-    ("cuda", "grpo.engine: vllm is not installed in this environment; pip install vllm"),
+    ("cpu", "rollout.engine: vllm runs on CUDA GPUs only"),
+    ("cuda", "rollout.engine: vllm is not installed in this environment; pip install vllm"),
 ])
 def test_the_recipe_refuses_vllm_at_set_up(monkeypatch, tmp_path, device, message):
-    """recipes/grpo.py's set-up (GRPO.check, before any process group) with grpo.engine=vllm, and a bad
-    grpo.vllm_gpu_memory_utilization at load_config."""
+    """recipes/grpo.py's set-up (GRPO.check, before any process group) with rollout.engine=vllm, and a bad
+    rollout.vllm_gpu_memory_utilization at load_config."""
     monkeypatch.chdir(REPO)
-    monkeypatch.setattr(registry, "find_spec", lambda name: None)
+    monkeypatch.setattr(rollout_section, "find_spec", lambda name: None)
     (tmp_path / "grpo.yaml").write_text(RECIPE_CONFIG)
     cfg = load_config(tmp_path / "grpo.yaml", [f"distributed.device={device}"], cls=GRPOConfig)
     with pytest.raises(ConfigError) as e:
         GRPO().check(cfg)
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
-    with pytest.raises(ConfigError, match="grpo.vllm_gpu_memory_utilization") as e:
-        load_config(tmp_path / "grpo.yaml", ["grpo.vllm_gpu_memory_utilization=1.5"], cls=GRPOConfig)
+    with pytest.raises(ConfigError, match="rollout.vllm_gpu_memory_utilization") as e:
+        load_config(tmp_path / "grpo.yaml", ["rollout.vllm_gpu_memory_utilization=1.5"], cls=GRPOConfig)
     assert "\n" not in str(e.value)

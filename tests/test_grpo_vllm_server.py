@@ -1,4 +1,4 @@
-"""grpo.engine=vllm with grpo.vllm_server_url (llmtrain.rollout.vllm_server.VLLMServerEngine) against a fake vLLM
+"""rollout.engine=vllm with rollout.vllm_server_url (llmtrain.rollout.vllm_server.VLLMServerEngine) against a fake vLLM
 server over real HTTP (tests/helpers/vllm.py's FakeServer; vLLM needs a GPU and is not installed here), its weights
 sent over a real gloo group in place of NCCL (GlooTransport): the completion requests of keyed rows (one per row,
 its key's seed, token-id prompt, the sampled token's log-prob) and the Completions read back (cut at the first EOS,
@@ -8,7 +8,7 @@ vLLM's, every Hugging Face tensor then equal to the trainer's in the server's dt
 llmtrain.rollout.vllm_worker.WeightCheck (the worker extension) equal to sync.trainer_fingerprint's, and a worker
 that did not load the push (a stale one among two) stopping the step; one-line errors for no server, a server
 without the worker extension or the weight transfer engine, and a failing route; the set-up checks of
-grpo.vllm_server_url; and recipes/grpo.py end to end on 2 ranks (ddp) against a fake server that samples from the
+rollout.vllm_server_url; and recipes/grpo.py end to end on 2 ranks (ddp) against a fake server that samples from the
 weights pushed to it (fp32): the drift guard's log-probs within 1e-5 nats of the trainer's on every step, one push
 and one fingerprint request per generation batch, one request per completion, and a server whose worker missed the
 push stopping the run at once with one line (the recipe's own entry point, its NCCL transport swapped for gloo and
@@ -32,8 +32,9 @@ from llmtrain.export import hf_state
 from llmtrain.models.hf import load_model_config, load_tokenizer
 from llmtrain.parallelize import STRATEGIES
 from llmtrain.recipes import RECIPES
-from llmtrain.rollout import registry, sync
-from llmtrain.rollout.engine import EngineSetup, VLLMServer
+from llmtrain.rollout import registry, section as rollout_section, sync
+from llmtrain.rollout.engine import EngineSetup
+from llmtrain.rollout.section import RolloutSection
 from llmtrain.rollout.local import Sampling, sample_seed
 from llmtrain.rollout.vllm import hf_view
 from llmtrain.rollout.vllm_server import VLLMServerEngine
@@ -70,9 +71,10 @@ def server(model):
 
 
 def engine(url: str, model, timeout: float = 30.0, port: int | None = None) -> VLLMServerEngine:
-    setup = EngineSetup(48, len(ROWS), SEED, torch.float32, "unused", 0.3, False,
-                        VLLMServer(url, timeout, port or free_port()))
-    return VLLMServerEngine(model, model.config, None, EOS, PAD, CPU, setup, transport=GlooTransport)
+    setup = EngineSetup(model, model.config, None, EOS, PAD, CPU, 48, len(ROWS), SEED, torch.float32, "unused")
+    section = RolloutSection(engine="vllm", vllm_server_url=url, vllm_server_timeout=timeout,
+                             vllm_group_port=port or free_port())
+    return VLLMServerEngine(section, setup, transport=GlooTransport)
 
 
 def test_keyed_rows_become_one_request_each_and_completions_are_read_back(server, model, single_process_group):
@@ -127,7 +129,7 @@ def test_a_worker_that_missed_the_push_stops_the_step(server, model, single_proc
     full = hf_state(model, STRATEGIES["none"], CPU)
     e.update_weights(0, full)
     expected = sync.trainer_fingerprint(full, SEED, 0, e.weights_dtype)
-    with pytest.raises(RunError, match=r"^grpo.engine=vllm: after the weight push for step 1, rank 0's engine "
+    with pytest.raises(RunError, match=r"^rollout.engine=vllm: after the weight push for step 1, rank 0's engine "
                                        r"differs from the trainer on .*: it would sample from stale weights$"):
         sync.check(expected, e.fingerprint(list(expected)), 0, "vllm")
 
@@ -141,18 +143,18 @@ def test_no_server_is_one_line_after_the_timeout(model, single_process_group):
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(RunError) as e:
         engine(url, model, timeout=1.5)
-    assert one_line(e).startswith(f"grpo.vllm_server_url: no vLLM server answered at {url} within "
-                                  "grpo.vllm_server_timeout=1.5 s (")
+    assert one_line(e).startswith(f"rollout.vllm_server_url: no vLLM server answered at {url} within "
+                                  "rollout.vllm_server_timeout=1.5 s (")
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"extension": False}, "grpo.vllm_server_url: /collective_rpc at {url} answered 500: "
+    ({"extension": False}, "rollout.vllm_server_url: /collective_rpc at {url} answered 500: "
                            "{{\"error\": \"AttributeError: 'Worker' object has no attribute 'llmtrain_dtype'\"}}; the "
                            "weight-sync check needs the server started with VLLM_SERVER_DEV_MODE=1 and "
                            "--worker-extension-cls llmtrain.rollout.vllm_worker.WeightCheck (docs/grpo.md)"),
-    ({"weight_transfer": False}, "grpo.vllm_server_url: the server at {url} has no weight transfer engine; start it "
+    ({"weight_transfer": False}, "rollout.vllm_server_url: the server at {url} has no weight transfer engine; start it "
                                  "with --weight-transfer-config '{{\"backend\": \"nccl\"}}' (docs/grpo.md)"),
-    ({"failing": "/v1/models"}, "grpo.vllm_server_url: /v1/models at {url} answered 500: {{\"error\": \"boom\"}}"),
+    ({"failing": "/v1/models"}, "rollout.vllm_server_url: /v1/models at {url} answered 500: {{\"error\": \"boom\"}}"),
 ])
 def test_a_server_that_cannot_serve_the_run_is_one_line(server, model, single_process_group, kwargs, message):
     fake = server(**kwargs)
@@ -166,19 +168,20 @@ def test_a_failing_completion_is_one_line(server, model, single_process_group):
     e = engine(fake.url, model)
     with pytest.raises(RunError) as error:
         e.generate(ROWS, KEYS, SAMPLING)
-    assert one_line(error) == (f"grpo.vllm_server_url: /v1/completions at {fake.url} answered 500: "
+    assert one_line(error) == (f"rollout.vllm_server_url: /v1/completions at {fake.url} answered 500: "
                                '{"error": "boom"}')
 
 
 @pytest.mark.parametrize("engine_name, url, message", [
-    ("local", "http://host:8000", "grpo.vllm_server_url: a server generates for grpo.engine=vllm only, and "
-                                  "grpo.engine is local; set grpo.engine=vllm, or leave grpo.vllm_server_url unset"),
-    ("vllm", "host:8000", "grpo.vllm_server_url: 'host:8000' is not a server's base URL like http://host:8000"),
-    ("vllm", "http://host:8000/v1", "grpo.vllm_server_url: 'http://host:8000/v1' is not a server's base URL"),
-    ("vllm", "http://host:8000", "grpo.engine: vllm runs on CUDA GPUs only and this run is on CPU"),
+    ("local", "http://host:8000", "rollout.vllm_server_url: a server generates for rollout.engine=vllm only, and "
+                                  "rollout.engine is local; set rollout.engine=vllm, or leave rollout.vllm_server_url "
+                                  "unset"),
+    ("vllm", "host:8000", "rollout.vllm_server_url: 'host:8000' is not a server's base URL like http://host:8000"),
+    ("vllm", "http://host:8000/v1", "rollout.vllm_server_url: 'http://host:8000/v1' is not a server's base URL"),
+    ("vllm", "http://host:8000", "rollout.engine: vllm runs on CUDA GPUs only and this run is on CPU"),
 ])
 def test_the_recipe_checks_the_server_url_at_set_up(monkeypatch, tmp_path, engine_name, url, message):
-    """recipes/grpo.py's set-up (before any process group) with grpo.vllm_server_url, and its keys' ranges."""
+    """recipes/grpo.py's set-up (before any process group) with rollout.vllm_server_url, and its keys' ranges."""
     monkeypatch.chdir(REPO)
     cls = RECIPES["grpo"].config_cls
     (tmp_path / "grpo.yaml").write_text(
@@ -186,33 +189,35 @@ def test_the_recipe_checks_the_server_url_at_set_up(monkeypatch, tmp_path, engin
         "tokenizer: {path: assets/tokenizer}\n"
         "data: {path: data/demo/prompts.jsonl, format: prompt, seq_len: 32}\n"
         "train: {micro_batch_size: 8}\n"
-        f"grpo: {{engine: {engine_name}, vllm_server_url: '{url}', reward_funcs: [llmtrain.rewards:format_regex]}}\n")
+        "grpo: {reward_funcs: [llmtrain.rewards:format_regex]}\n"
+        f"rollout: {{engine: {engine_name}, vllm_server_url: '{url}'}}\n")
     cfg = load_config(tmp_path / "grpo.yaml", ["distributed.device=cpu"], cls=cls)
     with pytest.raises(ConfigError) as e:
         RECIPES["grpo"]().check(cfg)
     assert one_line(e).startswith(message)
     for key, bad in (("vllm_server_timeout", "0"), ("vllm_group_port", "70000")):
-        with pytest.raises(ConfigError, match=f"grpo.{key}") as e:
-            load_config(tmp_path / "grpo.yaml", [f"grpo.{key}={bad}"], cls=cls)
+        with pytest.raises(ConfigError, match=f"rollout.{key}") as e:
+            load_config(tmp_path / "grpo.yaml", [f"rollout.{key}={bad}"], cls=cls)
         one_line(e)
 
 
 def test_a_well_formed_url_on_cuda_with_vllm_is_taken(monkeypatch):
-    monkeypatch.setattr(registry, "find_spec", lambda name: object())
+    monkeypatch.setattr(rollout_section, "find_spec", lambda name: object())
     for url in ("http://host:8000", "https://10.0.0.7:8000/", "http://gpu-node"):
-        registry.check_engine("vllm", True, url)
+        rollout_section.check_engine(RolloutSection(engine="vllm", vllm_server_url=url), True)
 
 
 def test_the_server_url_picks_the_server_engine(monkeypatch):
-    """ENGINES["vllm"] (what recipes/grpo.py builds) is the server engine when the EngineSetup names a server."""
+    """ENGINES["vllm"] (what llmtrain.rollout.registry.build makes) is the server engine when the rollout: section
+    names a server."""
     built = []
     for name in ("VLLMServerEngine", "VLLMEngine"):
-        monkeypatch.setattr(registry, name, lambda *args, name=name: built.append((name, args[-1].vllm_server)))
-    server = VLLMServer("http://host:8000", 240.0, 51216)
-    for vllm_server in (server, None):
-        setup = EngineSetup(48, 6, SEED, torch.bfloat16, "unused", 0.3, False, vllm_server)
-        registry.ENGINES["vllm"](None, None, None, EOS, PAD, CPU, setup)
-    assert built == [("VLLMServerEngine", server), ("VLLMEngine", None)]
+        monkeypatch.setattr(registry, name,
+                            lambda section, setup, name=name: built.append((name, section.vllm_server_url)))
+    setup = EngineSetup(None, None, None, EOS, PAD, CPU, 48, 6, SEED, torch.bfloat16, "unused")
+    for url in ("http://host:8000", None):
+        registry.ENGINES["vllm"](RolloutSection(engine="vllm", vllm_server_url=url), setup)
+    assert built == [("VLLMServerEngine", "http://host:8000"), ("VLLMEngine", None)]
 
 
 # recipes/grpo.py as users run it, but with the server engine's weights over gloo (no NCCL on a CPU) and the
@@ -221,11 +226,11 @@ ON_CPU = """\
 import functools, runpy, sys
 sys.path[:0] = [REPO, REPO + "/tests"]
 from helpers.vllm import GlooTransport
-from llmtrain.recipes import grpo
-from llmtrain.rollout import registry, vllm_server
+from llmtrain.recipes.grpo import recipe
+from llmtrain.rollout import registry, section, vllm_server
 
-registry.find_spec = lambda name: object()
-grpo.check_engine = lambda name, cuda, url: registry.check_engine(name, True, url)
+section.find_spec = lambda name: object()
+recipe.check_engine = lambda rollout, cuda: section.check_engine(rollout, True)
 registry.VLLMServerEngine = functools.partial(vllm_server.VLLMServerEngine, transport=GlooTransport)
 runpy.run_path(REPO + "/recipes/grpo.py", run_name="__main__")
 """
@@ -241,8 +246,8 @@ def server_runs(tmp_path_factory):
     hf_config = load_model_config(section, load_tokenizer(str(REPO / "assets" / "tokenizer"), False))
     servers = {"run": FakeServer(hf_config, dtype=torch.float32, policy=True),
                "stale": FakeServer(hf_config, dtype=torch.float32, stale=(0,))}
-    procs = {key: start_recipe(tmp / key, "grpo.engine=vllm", f"grpo.vllm_server_url={s.url}",
-                               f"grpo.vllm_group_port={free_port()}", "parallel.strategy=ddp",
+    procs = {key: start_recipe(tmp / key, "rollout.engine=vllm", f"rollout.vllm_server_url={s.url}",
+                               f"rollout.vllm_group_port={free_port()}", "parallel.strategy=ddp",
                                "train.micro_batch_size=3", f"train.max_steps={STEPS}", nproc=2, config=config,
                                script=tmp / "on_cpu.py")
              for key, s in servers.items()}
@@ -283,7 +288,7 @@ def test_a_server_worker_that_missed_the_push_stops_the_run(server_runs):
     # Every rank raises the same line (they agreed on it): "error (rank r): <line> (traceback in <its log>)".
     (line,) = {line.split(": ", 1)[1].rsplit(" (traceback in ", 1)[0] for line in res.stderr.splitlines()
                if line.startswith("error")}
-    assert line.startswith("grpo.engine=vllm: after the weight push for step 1, rank 0's engine differs from the "
+    assert line.startswith("rollout.engine=vllm: after the weight push for step 1, rank 0's engine differs from the "
                            "trainer on ") and line.endswith(": it would sample from stale weights"), line
     assert "/v1/completions" not in [route for route, _ in servers["stale"].calls]  # stopped before sampling
     assert not (tmp / "stale" / "hf").exists()

@@ -16,8 +16,8 @@ import pytest
 
 from helpers import RECIPE, TINY
 from helpers.procs import finish, read_metrics, run_recipe, start, wait_for_step
-from llmtrain import lock as lock_lib
-from llmtrain.lock import LOCK_FILE, STALE_S, OutputDirLock
+from llmtrain.run import lock as lock_lib
+from llmtrain.run.lock import LOCK_FILE, STALE_S, OutputDirLock
 
 
 def fake_owner(tmp_path, age: float = 0.0, **fields) -> None:

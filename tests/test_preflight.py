@@ -16,7 +16,7 @@ import pytest
 from helpers import RECIPE, REPO, TINY
 from helpers.procs import finish, free_port, start
 from llmtrain.distributed import compact_ranks
-from llmtrain.preflight import find_problems
+from llmtrain.run.preflight import find_problems
 
 MISSING_TIMEOUT = 10  # seconds a lonely rank waits before it gives up
 

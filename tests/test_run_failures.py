@@ -17,7 +17,7 @@ from llmtrain.checkpoint import complete_checkpoints
 from llmtrain.config import ConfigError, TrainConfig
 from llmtrain.distributed import preemption_line
 from llmtrain.optim import lr_at, warmup_note
-from llmtrain.resume import check_budget
+from llmtrain.run.resume import check_budget
 
 
 def lines(text: str, prefix: str) -> list[str]:

@@ -11,6 +11,7 @@ from common import REPO
 
 
 BENCH = REPO / "bench"
+BASELINES = BENCH / "baselines"  # what the recipes are compared with: the bare loop, HF Trainer, TRL
 DEMO = REPO / "configs" / "demo.yaml"
 SHAPE_32K = BENCH / "configs" / "llama-32k.yaml"  # real proportions (Llama 2 / Mistral), scaled down
 SHAPE_128K = BENCH / "configs" / "llama-128k.yaml"  # Llama 3's vocabulary, seq 2048

@@ -1,7 +1,7 @@
-"""`dpo` (python bench/run.py --only dpo): recipes/dpo.py vs TRL's DPOTrainer (bench/trl_dpo.py, TRL's venv) from one
-model directory of llama-32k's shape on data/demo/preference.jsonl (bench/configs/llama-32k-dpo.yaml: ddp, 2 ranks,
-sigmoid, live frozen reference, full fine-tuning): response tokens/s and peak memory per rank, --pairs pairs. Target
->= 1.3x."""
+"""`dpo` (python bench/run.py --only dpo): recipes/dpo.py vs TRL's DPOTrainer (bench/baselines/trl_dpo.py, TRL's venv)
+from one model directory of llama-32k's shape on data/demo/preference.jsonl (bench/configs/llama-32k-dpo.yaml: ddp, 2
+ranks, sigmoid, live frozen reference, full fine-tuning): response tokens/s and peak memory per rank, --pairs pairs.
+Target >= 1.3x."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ def bench(ctx: Ctx) -> dict:
     a, b = runs[-1]
     text = v.table + (
         f"\n\nShape: {describe_shape(SHAPE_32K).split(', seq')[0]}; one random model "
-        f"directory (bench/memory_probe.py --export) that both sides start from, for the policy and the frozen "
+        f"directory (bench/benchmarks/memory/probe.py --export) that both sides start from, for the policy and the "
+        f"frozen "
         f"reference. Pairs: {c['data']['path']} (text form), max length {c['data']['seq_len']}, micro-batch "
         f"{c['train']['micro_batch_size']} pairs per rank (chosen + rejected rows in one forward, padded to the "
         f"longest row), 2 ranks gloo, DDP, fp32, sigmoid loss, beta {c['dpo']['beta']}, live frozen reference, "

@@ -1,4 +1,4 @@
-"""`trl` (python bench/run.py --only trl): the same against TRL's SFTTrainer (bench/trl_sft.py: packing and
+"""`trl` (python bench/run.py --only trl): the same against TRL's SFTTrainer (bench/baselines/trl_sft.py: packing and
 assistant-only loss on), run from its own venv (--trl-venv, created with python3 -m venv + pip when missing), with
 peak memory per rank. Target >= 2x."""
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.base import BENCH, Ctx, SHAPE_32K, TIMEOUT, describe_shape, ratio, table, write_config
+from benchmarks.base import BASELINES, BENCH, Ctx, SHAPE_32K, TIMEOUT, describe_shape, ratio, table, write_config
+from benchmarks.memory import MEMORY_PROBE
 from common import (RECIPE, REPO, alternating_pairs, best_window_rate, median, pair_order, run, torchrun,
                     train_records, useful_tokens_per_sec)
 
@@ -37,8 +38,8 @@ def vs_hf(ctx: Ctx, kind: str) -> dict:
                                                        "parallel": {"strategy": "ddp"}})
     loaded = yaml.safe_load(cfg.read_text())
     micro, seq = loaded["train"]["micro_batch_size"], loaded["data"]["seq_len"]
-    other = {"trainer": ("HF Trainer", BENCH / "hf_trainer.py", None),
-             "trl": ("TRL SFTTrainer", BENCH / "trl_sft.py", trl_python(ctx) if kind == "trl" else None)}
+    other = {"trainer": ("HF Trainer", BASELINES / "hf_trainer.py", None),
+             "trl": ("TRL SFTTrainer", BASELINES / "trl_sft.py", trl_python(ctx) if kind == "trl" else None)}
     name, script, bindir = other[kind]
 
     def run_recipe(i: int) -> tuple[float, float, float, float]:
@@ -115,16 +116,16 @@ GRPO_RECIPE = REPO / "recipes" / "grpo.py"
 
 def recipe_vs_trl(ctx: Ctx, name: str, recipe: Path, shape: Path, driver: str, steps: int, warmup: int,
                   window: int, changes: dict | None = None) -> tuple[list[tuple], Path, int, int]:
-    """`recipe` and TRL (bench/<driver>, TRL's venv) from one random model directory of llama-32k's shape, ddp,
-    2 ranks, --pairs alternating pairs: [(recipe, TRL)] with each side's rate, per-step counts, peak memory and
-    fastest `window`-step rate after `warmup` steps; and the config both read (`shape` with `changes`, e.g.
-    {"grpo": {"max_completion_length": 256}}, applied)."""
+    """`recipe` and TRL (bench/baselines/<driver>, TRL's venv) from one random model directory of llama-32k's shape,
+    ddp, 2 ranks, --pairs alternating pairs: [(recipe, TRL)] with each side's rate, per-step counts, peak memory and
+    fastest `window`-step rate after `warmup` steps; and the config both read (`shape` with `changes`, e.g. {"grpo":
+    {"max_completion_length": 256}}, applied)."""
     pairs = 1 if ctx.quick else ctx.pairs
     work = ctx.dir(name)
     bindir = trl_python(ctx)
     model_dir = work / "model"
     model_shape = yaml.safe_load(SHAPE_32K.read_text())["model"]["config"]
-    run([sys.executable, BENCH / "memory_probe.py", "--export", model_dir, "--shape", json.dumps(model_shape)],
+    run([sys.executable, MEMORY_PROBE, "--export", model_dir, "--shape", json.dumps(model_shape)],
         TIMEOUT)
     cfg = write_config(work / f"{name}.yaml", shape, {**(changes or {}), "model": {"path": str(model_dir)}})
     data = yaml.safe_load(cfg.read_text())["data"]["path"]
@@ -145,7 +146,7 @@ def recipe_vs_trl(ctx: Ctx, name: str, recipe: Path, shape: Path, driver: str, s
 
     def run_trl(i: int) -> dict:
         res = work / f"trl_{i}.json"
-        run([bindir / "torchrun", "--standalone", "--nproc_per_node=2", BENCH / driver, "--config", cfg,
+        run([bindir / "torchrun", "--standalone", "--nproc_per_node=2", BASELINES / driver, "--config", cfg,
              "--data", data, "--steps", steps, "--warmup", warmup, "--output-dir", work / f"trl_{i}",
              "--out", res], TIMEOUT, {"HF_DATASETS_CACHE": str(work / "hf_cache")}, work / f"trl_{i}.log")
         info = json.loads(res.read_text())

@@ -84,7 +84,7 @@ class Recipe:
         built, source = self.source(run)
         try:
             self.setup(run, built)
-            return loop.loop(run, held.hand_to(source), self.objective, self.evaluate, self.final_export)
+            return loop.loop(run, held.load_into(source), self.objective, self.evaluate, self.final_export)
         finally:
             # What setup kept (the run, its model, a reference) goes with the run, before the process group
             # does: freed after it, DDP's reducer destroys the group itself and joins a gloo thread that waits

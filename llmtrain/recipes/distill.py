@@ -14,15 +14,13 @@ The teacher side is one small interface (TeacherSide): the model (Teacher) or it
 (StoredTeacher, distill.teacher_logits: llmtrain.teacher_logits, written by python -m
 llmtrain.tools.distill_precompute), which StoredSource attaches to each micro-batch by its stream position.
 
-On-policy distillation (GKD, distill.on_policy_fraction) is a batch source too, OnPolicySource: on the steps
-on_policy() picks, the student completes each data row's prompt (llmtrain.rollout's local engine, keyed per
-sample) and the same objective trains on those rows."""
+On-policy distillation (GKD, distill.on_policy_fraction) is a batch source too, llmtrain.rollout.on_policy's
+OnPolicySource: on the steps it picks, the student completes each data row's prompt (the rollout: section's
+engine; the local one keys each sample) and the same objective trains on those rows."""
 
 from __future__ import annotations
 
 import dataclasses
-import random
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal, Protocol
@@ -38,11 +36,13 @@ from llmtrain.losses.token import TokenLoss, trained_tokens, validation_sums
 from llmtrain.models import hf
 from llmtrain.models.build import BuiltModel, build_model
 from llmtrain.recipes.sft import Finetune
-from llmtrain.rollout.engine import Engine, LocalEngine, completion_metrics
-from llmtrain.rollout.local import Sampling, sample_seed
-from llmtrain.rollout.rows import micro_batches
+from llmtrain.rollout.engine import Sampling
+from llmtrain.rollout.on_policy import OnPolicySource
+from llmtrain.rollout.registry import build as build_rollout
+from llmtrain.rollout.rows import trainer_logps
+from llmtrain.rollout.section import RolloutSection, check_engine
 from llmtrain.train.build import Run
-from llmtrain.train.source import Batch, BatchSource, Wrapping
+from llmtrain.train.source import Batch, BatchSource, DerivedSource
 from llmtrain.train.step import Share
 from llmtrain.utils import DTYPES
 
@@ -113,8 +113,9 @@ class DistillSection:
 
 @dataclass
 class DistillConfig(Config):
-    """recipes/distill.py's Config: the shared sections plus distill:."""
+    """recipes/distill.py's Config: the shared sections plus distill: and rollout: (on-policy steps' engine)."""
     distill: DistillSection = field(default_factory=DistillSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
 
 
 def check(cfg: DistillConfig) -> None:
@@ -134,7 +135,12 @@ def check_on_policy(cfg: DistillConfig) -> None:
     data.train_on_prompt train from the second token on: there is no prompt to complete)."""
     d, section = cfg.distill, cfg.data
     if d.on_policy_fraction == 0:
+        if cfg.rollout != RolloutSection():
+            raise ConfigError("rollout: its engine samples on-policy steps only; set distill.on_policy_fraction > 0, "
+                              "or leave rollout.* unset")
         return
+    device = cfg.distributed.device
+    check_engine(cfg.rollout, device == "cuda" or (device == "auto" and torch.cuda.is_available()))
     why = f"distill.on_policy_fraction={d.on_policy_fraction:g} samples completions for the rows' prompts"
     if d.teacher_logits is not None:
         raise ConfigError(f"distill.teacher_logits: an offline teacher has no log-probs for the tokens the student "
@@ -347,7 +353,7 @@ class StoredTeacher:
         use(lambda rows: kd.Dist(logps[rows], ids[rows]))
 
 
-class StoredSource(Wrapping):
+class StoredSource(DerivedSource):
     """The data's micro-batches (a BatchSource), each with its samples' stored teacher values attached
     (stored.LOGPS, stored.IDS), looked up by stream position: the step's first position (samples seen
     before it) + SAMPLE_INDEX."""
@@ -368,57 +374,6 @@ class StoredSource(Wrapping):
                                   f"{int(trained_tokens(b['labels']))}; precompute again with this config")
             micro.append({**b, stored.LOGPS: logps, stored.IDS: ids})
         return batch._replace(micro=micro)
-
-
-def on_policy(seed: int, step: int, fraction: float) -> bool:
-    """Whether the step after `step` updates samples its rows' completions: a uniform drawn from (seed, step)
-    alone below `fraction` (0 never, 1 always), so every rank agrees without a collective and a resume at any
-    step, onto any world size, decides again what the uninterrupted run decided."""
-    return random.Random(sample_seed(seed, step)).random() < fraction
-
-
-def prompts_of(micro: list[dict]) -> list[list[int]]:
-    """Each row of the micro-batches, in order, up to its first trained token (the whole row when it trains
-    none: an example whose prompt data.seq_len cut)."""
-    out = []
-    for b in micro:
-        trained = b["labels"] != data.IGNORE
-        first = torch.where(trained.any(1), trained.int().argmax(1), trained.shape[1])
-        out += [row[:n].tolist() for row, n in zip(b["input_ids"], first.tolist())]
-    return out
-
-
-class OnPolicySource(Wrapping):
-    """On-policy distillation's batch source (distill.on_policy_fraction > 0): the data's micro-batches (a
-    BatchSource) as they are on an off-policy step; on an on-policy step (on_policy()), their rows' prompts
-    completed by the student (an Engine; the local one samples under any strategy, llmtrain.rollout.local),
-    each keyed (train.seed, step, its sample's index in the step's global batch) so that a completion depends
-    on neither the world size nor the accumulation split, and made into training rows (prompt + completion,
-    the completion's tokens trained, its first EOS included: llmtrain.rollout.rows) in the same micro-batches.
-    The sampling is the step's work (Batch.work_s); nothing is kept beyond the data's position, since a resumed
-    run samples the same completions from the same weights."""
-
-    def __init__(self, inner: BatchSource, run: Run, engine: Engine, pad: int):
-        super().__init__(inner)
-        self.run, self.engine, self.pad = run, engine, pad
-        d = run.cfg.distill
-        self.fraction, self.sampling = d.on_policy_fraction, Sampling(d.max_new_tokens, d.sampling_temperature)
-
-    def next(self) -> Batch:
-        run, step = self.run, self.run.state.step
-        batch = self.inner.next()
-        if not on_policy(run.cfg.train.seed, step, self.fraction):
-            return batch._replace(metrics={**batch.metrics, "on_policy": 0})
-        t0 = time.perf_counter()
-        prompts = prompts_of(batch.micro)
-        keys = [(run.cfg.train.seed, step, int(i)) for b in batch.micro for i in b[data.SAMPLE_INDEX]]
-        out = self.engine.generate(prompts, keys, self.sampling)
-        micro = micro_batches(prompts, out.tokens, out.truncated, self.pad, run.cfg.train.micro_batch_size, False,
-                              run.env.device)
-        for rows, b in zip(micro, batch.micro):
-            rows[data.SAMPLE_INDEX] = b[data.SAMPLE_INDEX]  # keys its dropout masks, as the data's rows
-        metrics = {**batch.metrics, "on_policy": 1, **completion_metrics(out, run.env.device)}
-        return Batch(micro, metrics, batch.work_s + time.perf_counter() - t0)
 
 
 class KDObjective:
@@ -501,12 +456,17 @@ class Distill(Finetune):
             return built, StoredSource(source, stored.Store(d.teacher_logits, manifest))
         if d.on_policy_fraction == 0:
             return built, source
-        eos, pad = hf.stop_ids(run.model_config.eos_token_id, run.tokenizer), run.tokenizer.pad_token_id
-        engine = LocalEngine(run.model, run.model_config, run.autocast, eos, pad, run.env.device)
+        cfg = run.cfg
+        rollout = build_rollout(cfg.rollout, run, cfg.data.seq_len + d.max_new_tokens,
+                                cfg.train.micro_batch_size * cfg.train.grad_accum_steps)
         run.metrics.info(f"distill: on-policy on a {d.on_policy_fraction:g} share of the steps: the student "
-                         f"completes each row's prompt (up to {d.max_new_tokens} tokens at temperature "
-                         f"{d.sampling_temperature:g}, EOS ids {eos}) and learns the teacher's distributions on it")
-        return built, OnPolicySource(source, run, engine, pad)
+                         f"completes each row's prompt (rollout.engine={cfg.rollout.engine}, up to {d.max_new_tokens} "
+                         f"tokens at temperature {d.sampling_temperature:g}, EOS ids {rollout.eos_ids}) and learns "
+                         "the teacher's distributions on it")
+        return built, OnPolicySource(source, rollout, Sampling(d.max_new_tokens, d.sampling_temperature),
+                                     d.on_policy_fraction, cfg.train.seed, run.state, cfg.train.micro_batch_size,
+                                     run.env.device, lambda micro: trainer_logps(
+                                         run.token_loss, run.model, run.autocast, micro, d.sampling_temperature))
 
     def setup(self, run, built) -> None:
         super().setup(run, built)

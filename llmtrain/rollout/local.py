@@ -22,7 +22,7 @@ uniforms do not depend on the others. In lockstep (FSDP1) a rank with no row lef
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+import time
 from typing import NamedTuple
 
 import torch
@@ -31,20 +31,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmtrain.parallelize import unsharded as gathered  # (module to call, lockstep): the strategy's gather
+from llmtrain.rollout.engine import Completions, EngineSetup, Sampling
+from llmtrain.rollout.section import RolloutSection
 
 
-@dataclass(frozen=True)
-class Sampling:
-    max_tokens: int
-    """Tokens sampled per completion at most (grpo.max_completion_length)."""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    """Nucleus: keep the most likely tokens whose probabilities sum to top_p (HF's TopPLogitsWarper)."""
-    top_k: int = 0
-    """Keep the top_k most likely tokens (0: all)."""
-
-
-class Completions(NamedTuple):
+class CompletionGrid(NamedTuple):
+    """The keyed sampler's completions as a padded grid (an Engine's Completions: as_completions)."""
     ids: torch.Tensor        # [rows, width] long: sampled tokens, pad_id after a row's first EOS
     mask: torch.Tensor       # [rows, width] bool: the completion's tokens, its first EOS included
     lengths: torch.Tensor    # [rows] long: mask.sum(1)
@@ -94,78 +86,107 @@ def pick(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def generate(model: nn.Module, prompts: list[list[int]], keys: list[tuple[int, ...]], sampling: Sampling,
-             eos_ids: list[int], pad_id: int, device: torch.device, compact: bool = True) -> Completions:
+             eos_ids: list[int], pad_id: int, device: torch.device, compact: bool = True) -> CompletionGrid:
     """Sample one completion per prompt (repeat a prompt G times with G keys for a group). Collective
     under FSDP1 and FSDP2: every rank calls it, each with its own prompts (at least one). Run it under the
     training's autocast when it has one. compact: finished rows leave the batch (False: they decode padding
     to the end, for comparison; the same completions)."""
     if not prompts or len(prompts) != len(keys):
         raise ValueError(f"generate: {len(prompts)} prompts and {len(keys)} keys; need as many, at least one")
-    rows, width = len(prompts), max(map(len, prompts))
-    ids = torch.full((rows, width), pad_id, dtype=torch.long)
-    attention = torch.zeros(rows, width, dtype=torch.long)
-    for i, p in enumerate(prompts):  # left padding: every row's next token is at the same position
-        ids[i, width - len(p):] = torch.tensor(p)
-        attention[i, width - len(p):] = 1
-    ids, attention = ids.to(device), attention.to(device)
-    positions = (attention.cumsum(1) - 1).clamp(min=0)
-    u = uniforms(keys, sampling.max_tokens).to(device)
-    eos = torch.tensor(sorted(set(eos_ids)), device=device)
-    out = torch.full((rows, sampling.max_tokens), pad_id, dtype=torch.long, device=device)
-    logps = torch.zeros(rows, sampling.max_tokens, device=device)
-    ended = torch.zeros(rows, dtype=torch.bool, device=device)  # an EOS was sampled
-    # The batch's rows: live[j] is the slot (prompt index) of row j, running[j] whether it still samples.
-    live = torch.arange(rows, device=device)
-    running = torch.ones(rows, dtype=torch.bool, device=device)
+    decoding = Decoding(prompts, keys, sampling, eos_ids, pad_id, device)
     was_training = model.training
     model.eval()
     try:
         with gathered(model) as (module, lockstep):
-            cache, step, inputs = None, 0, ids
-            while step < sampling.max_tokens:
-                result = module(input_ids=inputs, attention_mask=attention, position_ids=positions,
-                                cache=cache, use_cache=True, logits_to_keep=1)
-                cache = result.cache
-                logits = filter_logits(result.logits[:, -1].float() / sampling.temperature, sampling.top_k,
-                                       sampling.top_p)
-                token = pick(logits, u[live, step]).masked_fill(~running, pad_id)
-                slots = live[running]
-                out[slots, step] = token[running]
-                logps[slots, step] = logits[running].log_softmax(-1).gather(1, token[running, None]).squeeze(1)
-                stopped = running & torch.isin(token, eos)
-                ended[live[stopped]] = True
-                running &= ~stopped
-                step += 1
-                if _all_done(running, lockstep, device):
+            while decoding.step < sampling.max_tokens:
+                stopped = decoding.sample_next(module)
+                if _all_done(decoding.running, lockstep, device):
                     break
                 if compact and stopped.any():
-                    # The rows still sampling (in lockstep at least one: a rank with none left feeds one padding
-                    # row, so that it runs as many forwards as the others).
-                    keep = running.nonzero().squeeze(1) if running.any() else running.new_zeros(1, dtype=torch.long)
-                    cache.batch_select_indices(keep)
-                    live, running, token = live[keep], running[keep], token[keep]
-                    attention, positions = attention[keep], positions[keep]
-                inputs = token[:, None]
-                attention = F.pad(attention, (0, 1), value=1)
-                positions = positions[:, -1:] + 1
+                    decoding.drop_finished()
+                decoding.feed_back()
     finally:
         model.train(was_training)
-    out, logps = out[:, :step], logps[:, :step]
-    # A row's tokens: up to and including its first EOS (all of them when it has none).
-    first_eos = torch.where(torch.isin(out, eos), torch.arange(step, device=device), step).amin(1)
-    mask = torch.arange(step, device=device)[None] <= first_eos[:, None]
-    out = out.masked_fill(~mask, pad_id)
-    return Completions(out, mask, mask.sum(1), ~ended, logps.masked_fill(~mask, 0.0))
+    return decoding.result()
 
 
-def from_lists(tokens: list[list[int]], truncated: list[bool], pad_id: int) -> Completions:
-    """Completions from each row's tokens (its first EOS included) and truncation, e.g. as a checkpoint holds them."""
+class Decoding:
+    """The state of one generate call: the batch's rows (left-padded prompts, then one sampled token per forward)
+    and the output slots. live[j] is the slot (prompt index) of row j of the batch, running[j] whether it still
+    samples; out / logps hold every slot's tokens and their log-probs."""
+
+    def __init__(self, prompts: list[list[int]], keys: list[tuple[int, ...]], sampling: Sampling,
+                 eos_ids: list[int], pad_id: int, device: torch.device):
+        rows, width = len(prompts), max(map(len, prompts))
+        ids = torch.full((rows, width), pad_id, dtype=torch.long)
+        attention = torch.zeros(rows, width, dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding: every row's next token is at the same position
+            ids[i, width - len(p):] = torch.tensor(p)
+            attention[i, width - len(p):] = 1
+        self.inputs, self.attention = ids.to(device), attention.to(device)
+        self.positions = (self.attention.cumsum(1) - 1).clamp(min=0)
+        self.sampling, self.pad, self.device = sampling, pad_id, device
+        self.u = uniforms(keys, sampling.max_tokens).to(device)
+        self.eos = torch.tensor(sorted(set(eos_ids)), device=device)
+        self.out = torch.full((rows, sampling.max_tokens), pad_id, dtype=torch.long, device=device)
+        self.logps = torch.zeros(rows, sampling.max_tokens, device=device)
+        self.ended = torch.zeros(rows, dtype=torch.bool, device=device)  # an EOS was sampled
+        self.live = torch.arange(rows, device=device)
+        self.running = torch.ones(rows, dtype=torch.bool, device=device)
+        self.cache, self.step, self.token = None, 0, None
+
+    def sample_next(self, module: nn.Module) -> torch.Tensor:
+        """One forward, one token per running row into its slot -> the rows that sampled an EOS."""
+        s = self.sampling
+        result = module(input_ids=self.inputs, attention_mask=self.attention, position_ids=self.positions,
+                        cache=self.cache, use_cache=True, logits_to_keep=1)
+        self.cache = result.cache
+        logits = filter_logits(result.logits[:, -1].float() / s.temperature, s.top_k, s.top_p)
+        running = self.running
+        token = pick(logits, self.u[self.live, self.step]).masked_fill(~running, self.pad)
+        slots = self.live[running]
+        self.out[slots, self.step] = token[running]
+        self.logps[slots, self.step] = logits[running].log_softmax(-1).gather(1, token[running, None]).squeeze(1)
+        stopped = running & torch.isin(token, self.eos)
+        self.ended[self.live[stopped]] = True
+        self.running = running & ~stopped
+        self.step += 1
+        self.token = token
+        return stopped
+
+    def drop_finished(self) -> None:
+        """Compaction: only the rows still sampling stay in the batch (in lockstep at least one: a rank with none
+        left feeds one padding row, so that it runs as many forwards as the others)."""
+        running = self.running
+        keep = running.nonzero().squeeze(1) if running.any() else running.new_zeros(1, dtype=torch.long)
+        self.cache.batch_select_indices(keep)
+        self.live, self.running, self.token = self.live[keep], running[keep], self.token[keep]
+        self.attention, self.positions = self.attention[keep], self.positions[keep]
+
+    def feed_back(self) -> None:
+        """The sampled tokens are the next forward's inputs, one position on."""
+        self.inputs = self.token[:, None]
+        self.attention = F.pad(self.attention, (0, 1), value=1)
+        self.positions = self.positions[:, -1:] + 1
+
+    def result(self) -> CompletionGrid:
+        """Each slot's tokens up to and including its first EOS (all of them when it has none)."""
+        step, device = self.step, self.device
+        out, logps = self.out[:, :step], self.logps[:, :step]
+        first_eos = torch.where(torch.isin(out, self.eos), torch.arange(step, device=device), step).amin(1)
+        mask = torch.arange(step, device=device)[None] <= first_eos[:, None]
+        out = out.masked_fill(~mask, self.pad)
+        return CompletionGrid(out, mask, mask.sum(1), ~self.ended, logps.masked_fill(~mask, 0.0))
+
+
+def from_lists(tokens: list[list[int]], truncated: list[bool], pad_id: int) -> CompletionGrid:
+    """A CompletionGrid from each row's tokens (its first EOS included) and truncation, as a checkpoint holds them."""
     width = max(1, max(map(len, tokens)))
     ids = torch.full((len(tokens), width), pad_id, dtype=torch.long)
     for i, row in enumerate(tokens):
         ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
     lengths = torch.tensor([len(row) for row in tokens])
-    return Completions(ids, torch.arange(width)[None] < lengths[:, None], lengths, torch.tensor(truncated))
+    return CompletionGrid(ids, torch.arange(width)[None] < lengths[:, None], lengths, torch.tensor(truncated))
 
 
 def _all_done(running: torch.Tensor, lockstep: bool, device: torch.device) -> bool:
@@ -175,3 +196,28 @@ def _all_done(running: torch.Tensor, lockstep: bool, device: torch.device) -> bo
     pending = running.any().long().reshape(1).to(device)
     dist.all_reduce(pending)
     return not pending.item()
+
+
+def as_completions(grid: CompletionGrid, seconds: float) -> Completions:
+    """An engine's Completions from a CompletionGrid with log-probs."""
+    lengths = grid.lengths.tolist()
+    return Completions([r[:n] for r, n in zip(grid.ids.tolist(), lengths)], grid.truncated.tolist(),
+                       [r[:n] for r, n in zip(grid.logps.tolist(), lengths)], seconds)
+
+
+class LocalEngine:
+    """rollout.engine=local: the keyed sampler (generate) on the training model, in the training processes."""
+    copies_weights, weights_dtype = False, None
+
+    def __init__(self, section: RolloutSection, setup: EngineSetup):
+        self.model, self.autocast = setup.model, setup.autocast
+        self.eos, self.pad, self.device = setup.eos_ids, setup.pad_id, setup.device
+
+    def generate(self, prompt_ids, keys, sampling) -> Completions:
+        t0 = time.perf_counter()
+        with self.autocast():
+            out = generate(self.model, prompt_ids, keys, sampling, self.eos, self.pad, self.device)
+        return as_completions(out, time.perf_counter() - t0)
+
+    def update_weights(self, step: int, full: dict[str, torch.Tensor]) -> None:
+        """Samples from the training model itself: its weights are always the policy's."""

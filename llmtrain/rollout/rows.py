@@ -1,15 +1,24 @@
 """Training rows from completions: what the policy-gradient loss scores (prompt + completion, labels on the
-completion's tokens), built the same way whichever engine sampled them."""
+completion's tokens), built the same way whichever engine sampled them; with their advantages and log-probs
+(the engine's, the trainer's at sampling time, a reference's) as GRPO's loss takes them; and the generation
+batch a checkpoint keeps (GenerationBatch)."""
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import torch
 
+from llmtrain import distributed
+from llmtrain.data import SAMPLE_INDEX
 from llmtrain.data.formats import IGNORE
-from llmtrain.rollout.local import Completions, from_lists
+from llmtrain.losses.policy import to_grid
+from llmtrain.losses.token import next_token_targets
+from llmtrain.rollout.local import CompletionGrid, from_lists
 
 
-def training_rows(prompts: list[list[int]], completions: Completions, pad_id: int,
+def training_rows(prompts: list[list[int]], completions: CompletionGrid, pad_id: int,
                   mask_truncated: bool) -> dict[str, torch.Tensor]:
     """The rows the loss scores (TokenLoss.token_logps): prompt + completion, right-padded, with
     position_ids from 0 and labels = the completion's tokens (its EOS included), IGNORE elsewhere, and
@@ -39,3 +48,89 @@ def micro_batches(prompts: list[list[int]], tokens: list[list[int]], truncated: 
                              mask_truncated)
         out.append({k: v.to(device) for k, v in rows.items()})
     return out
+
+
+def completion_mask(batch: dict) -> torch.Tensor:
+    """The trained tokens of a micro-batch of training rows (a completion's, up to and including its EOS), as
+    next-token targets: where a completion's log-probs go (to_grid)."""
+    return next_token_targets(batch["labels"]) != IGNORE
+
+
+def policy_rows(prompt_ids: list[list[int]], tokens: list[list[int]], truncated: list[bool], advantages: list[float],
+                engine_logps: list[list[float]], rows: range, n: int, pad_id: int, mask_truncated: bool,
+                device: torch.device) -> list[dict[str, torch.Tensor]]:
+    """Micro-batches of n training rows (completion i of prompt_ids[i]) with their advantages, the engine's log-probs
+    of the trained tokens (engine_logps; a completion left out of the loss, mask_truncated, has none) and
+    SAMPLE_INDEX, the completion's index in the step's global order (rows: this rank's), which keys its dropout."""
+    micro = micro_batches(prompt_ids, tokens, truncated, pad_id, n, mask_truncated, device)
+    for i, b in enumerate(micro):
+        part = slice(i * n, (i + 1) * n)
+        trained = [x for row, cut in zip(engine_logps[part], truncated[part]) if not (cut and mask_truncated)
+                   for x in row]
+        b.update(advantages=torch.tensor(advantages[part], device=device),
+                 engine_logps=to_grid(torch.tensor(trained, device=device), completion_mask(b)))
+        b[SAMPLE_INDEX] = torch.tensor(rows[part], device=device)
+    return micro
+
+
+def attach_logps(micro: list[dict], name: str, flats: list[torch.Tensor]) -> list[list[float]]:
+    """Each micro-batch's flat log-probs of its trained tokens as its [rows, tokens] grid under `name`; -> per
+    completion lists (what a checkpoint keeps)."""
+    out = []
+    for b, flat in zip(micro, flats):
+        b[name] = to_grid(flat, completion_mask(b))
+        out += [row[k].tolist() for row, k in zip(b[name], completion_mask(b))]
+    return out
+
+
+def attach_saved_logps(micro: list[dict], name: str, per_completion: list[list[float]], n: int) -> None:
+    """attach_logps from per completion lists (a checkpoint's), n completions per micro-batch."""
+    for i, b in enumerate(micro):
+        flat = torch.tensor(sum(per_completion[i * n:(i + 1) * n], []), device=b["labels"].device)
+        b[name] = to_grid(flat, completion_mask(b))
+
+
+def trainer_logps(token_loss, model: torch.nn.Module, autocast, micro: list[dict],
+                  temperature: float) -> list[torch.Tensor]:
+    """The policy's log-probs of each micro-batch's trained tokens now, flat (the loss's own computation)."""
+    with torch.no_grad(), autocast():
+        return [token_loss.token_logps(model, b, temperature) for b in micro]
+
+
+def reference_logps(ref, micro: list[dict], temperature: float) -> list[torch.Tensor]:
+    """A frozen reference's (llmtrain.train.build.Reference) log-probs of each micro-batch's trained tokens, flat."""
+    return [ref.logps(lambda model, token_loss: token_loss.token_logps(model, b, temperature)) for b in micro]
+
+
+@dataclass
+class GenerationBatch:
+    """A generation batch, every rank's completions in the step's global order, JSON-able (a checkpoint's source
+    state): their tokens, truncation, advantages, and the log-probs of their trained tokens: the trainer's at
+    sampling time (old), the reference's (ref), the engine's (engine); and the batch's logged metrics."""
+    step: int                          # the generation batch's index
+    completions: list[list[int]]
+    truncated: list[bool]
+    advantages: list[float]
+    old: list[list[float]] | None
+    ref: list[list[float]] | None
+    engine: list[list[float]] | None
+    metrics: dict
+
+    @classmethod
+    def gathered(cls, step: int, tokens, truncated, advantages, old, ref, engine, metrics: dict) -> GenerationBatch:
+        """Collective: from this rank's parts, every rank's (in rank order: the global order)."""
+        parts = distributed.gather_objects((tokens, truncated, old, ref, engine))
+        joined = [sum((p[i] for p in parts), []) if parts[0][i] is not None else None for i in range(5)]
+        return cls(step, joined[0], joined[1], advantages, joined[2], joined[3], joined[4], metrics)
+
+    @classmethod
+    def from_state(cls, state: dict) -> GenerationBatch:
+        """From a checkpoint's state_dict (one saved before the drift guard has no engine log-probs: its old)."""
+        return cls(**{"engine": state.get("old"), **state})
+
+    def part(self, rows: range) -> GenerationBatch:
+        """These completions only (a rank's)."""
+        cut = lambda v: None if v is None else v[rows.start:rows.stop]  # noqa: E731
+        return dataclasses.replace(self, completions=cut(self.completions), truncated=cut(self.truncated),
+                                   advantages=cut(self.advantages), old=cut(self.old), ref=cut(self.ref),
+                                   engine=cut(self.engine))

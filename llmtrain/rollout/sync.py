@@ -1,4 +1,5 @@
-"""The weight-sync check of an engine that holds its own copy of the policy (grpo.engine=transformers, vllm):
+"""Weight sync (WeightSync): before each generation batch, the policy after that many updates goes into the engine;
+one that holds its own copy of the policy (rollout.engine=transformers, vllm) gets the full weights and is checked:
 after each push, a cheap fingerprint of the engine's weights must equal the trainer's, or the step stops.
 
 A fingerprint is, for PARAMETERS names drawn from the weights' names by a key (the run's seed and the step, so
@@ -13,12 +14,13 @@ rank checks its own engine and the ranks agree on the outcome (one all-gather), 
 from __future__ import annotations
 
 import random
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
 from llmtrain import distributed
 from llmtrain.config import RunError
+from llmtrain.rollout.engine import Engine
 from llmtrain.rollout.local import sample_seed
 
 PARAMETERS = 4  # names fingerprinted per push
@@ -54,6 +56,24 @@ def check(trainer: dict[str, float], engine: dict[str, float], step: int, engine
     rank, found = next(((r, p) for r, p in enumerate(parts) if p is not None), (None, None))
     if found is not None:
         name, value = found
-        raise RunError(f"grpo.engine={engine_name}: after the weight push for step {step + 1}, rank {rank}'s engine "
+        raise RunError(f"rollout.engine={engine_name}: after the weight push for step {step + 1}, rank {rank}'s engine "
                        f"differs from the trainer on {name} (fingerprint {value!r} vs {trainer[name]!r}): "
                        "it would sample from stale weights")
+
+
+class WeightSync:
+    """Pushes the policy into an engine (llmtrain.rollout.registry.build makes one per engine): full_weights()
+    gathers the policy's full weights (collective; LoRA merged, on rank 0), seed keys the fingerprint's names."""
+
+    def __init__(self, engine: Engine, engine_name: str, seed: int, full_weights: Callable[[], dict]):
+        self.engine, self.engine_name, self.seed, self.full_weights = engine, engine_name, seed, full_weights
+
+    def push(self, step: int) -> None:
+        """Collective: the policy after `step` updates into the engine; one that samples from its own copy gets the
+        full weights and is checked against them (one line, exit 1, if stale)."""
+        copies = self.engine.copies_weights
+        full = self.full_weights() if copies else {}
+        self.engine.update_weights(step, full)
+        if copies:
+            trainer = trainer_fingerprint(full, self.seed, step, self.engine.weights_dtype)
+            check(trainer, self.engine.fingerprint(list(trainer)), step, self.engine_name)

@@ -1,4 +1,4 @@
-"""grpo.engine=vllm: vLLM colocated in the training processes (TRL's vllm_mode="colocate"), and its glue: the
+"""rollout.engine=vllm: vLLM colocated in the training processes (TRL's vllm_mode="colocate"), and its glue: the
 requests for the keyed rows of llmtrain.rollout.local.generate (vllm_requests) and their answers read back as
 Completions with the sampled tokens' log-probs (from_vllm). vllm is imported when a VLLMEngine is built, so this
 module and its tests run without it (tests/test_grpo_vllm.py: a fake vllm module).
@@ -8,7 +8,7 @@ trl/trainer/grpo_trainer.py uses it (GRPOTrainer.__init__'s colocated LLM, _move
 branch of generation), and vLLM's engine arguments (docs.vllm.ai/en/v0.10.2/configuration/engine_args.html):
   * one vllm.LLM per training process: distributed_executor_backend="external_launcher" (vLLM joins the training's
     torch.distributed world instead of starting workers), tensor_parallel_size 1 (each rank its own engine and its
-    own rows), gpu_memory_utilization (grpo.vllm_gpu_memory_utilization), max_num_seqs = a rank's rows per call,
+    own rows), gpu_memory_utilization (rollout.vllm_gpu_memory_utilization), max_num_seqs = a rank's rows per call,
     max_model_len = the prompt and completion budgets, max_num_batched_tokens 4096 (TRL: vLLM V1's memory profiler
     is misled by the default), logprobs_mode="processed_logprobs" (the sampled token's log-prob after temperature
     and top-k / top-p: the drift guard's), seed train.seed (every request brings its own seed anyway).
@@ -20,7 +20,7 @@ branch of generation), and vLLM's engine arguments (docs.vllm.ai/en/v0.10.2/conf
     llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights([(name, tensor)]), which fuses
     q/k/v into qkv_proj and gate/up into gate_up_proj as a checkpoint load does; then llm.reset_prefix_cache()
     (cached prefixes were computed with the old weights).
-  * sleep mode (grpo.vllm_enable_sleep_mode: vLLM's enable_sleep_mode): asleep except from a push to the end of the
+  * sleep mode (rollout.vllm_enable_sleep_mode: vLLM's enable_sleep_mode): asleep except from a push to the end of the
     generate that follows it, so training has the memory: llm.sleep(level=1) (weights offloaded to the CPU, KV
     cache dropped) after building and after each generate, llm.wake_up() before a push. Level 1 as in TRL 0.24:
     level 2 (TRL 0.26) also discards buffers such as the RoPE caches, which no push restores
@@ -32,18 +32,17 @@ branch of generation), and vLLM's engine arguments (docs.vllm.ai/en/v0.10.2/conf
     so the fingerprint is exactly sync's, in the copy's dtype: a stale copy is caught as with transformers, on the
     weights vLLM samples with (not on what was sent). A family whose names vLLM maps otherwise stops the check
     with one line naming the parameter.
-vLLM on a server of its own (grpo.vllm_server_url): llmtrain.rollout.vllm_server, which shares this module's requests,
-the reading of completions, the layout and the fingerprint. Not built: LoRA as a vLLM adapter (the adapters are
-merged into the pushed weights), tensor parallelism inside a colocated vLLM.
+vLLM on a server of its own (rollout.vllm_server_url): llmtrain.rollout.vllm_server, which shares this module's
+requests, the reading of completions, the layout and the fingerprint. Not built: LoRA as a vLLM adapter (the adapters
+are merged into the pushed weights), tensor parallelism inside a colocated vLLM.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import time
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -51,8 +50,9 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from llmtrain.config import RunError
-from llmtrain.rollout.engine import Completions, EngineSetup, listed
-from llmtrain.rollout.local import Completions as Grid, Sampling, from_lists, sample_seed
+from llmtrain.rollout.engine import Completions, EngineSetup, Sampling
+from llmtrain.rollout.local import CompletionGrid, as_completions, from_lists, sample_seed
+from llmtrain.rollout.section import RolloutSection
 from llmtrain.rollout.sync import fingerprint
 
 
@@ -69,7 +69,7 @@ def vllm_requests(prompts: list[list[int]], keys: list[tuple[int, ...]], samplin
     return [({"prompt_token_ids": list(p)}, {**params, "seed": sample_seed(*key)}) for p, key in zip(prompts, keys)]
 
 
-def from_vllm(outputs: list, eos_ids: list[int], pad_id: int) -> Grid:
+def from_vllm(outputs: list, eos_ids: list[int], pad_id: int) -> CompletionGrid:
     """Completions (with log-probs) from vLLM's RequestOutputs in request order: each one's first
     CompletionOutput's token ids and the sampled token's Logprob at each position (cut_at_eos)."""
     tokens, logps = [], []
@@ -80,7 +80,8 @@ def from_vllm(outputs: list, eos_ids: list[int], pad_id: int) -> Grid:
     return cut_at_eos(tokens, logps, eos_ids, pad_id)
 
 
-def cut_at_eos(tokens: list[list[int]], logps: list[list[float] | None], eos_ids: list[int], pad_id: int) -> Grid:
+def cut_at_eos(tokens: list[list[int]], logps: list[list[float] | None], eos_ids: list[int],
+               pad_id: int) -> CompletionGrid:
     """Completions with log-probs from what vLLM sampled (a row's token ids and each one's log-prob): each row up
     to and including its first EOS, truncated when no EOS was sampled (finish_reason "length")."""
     eos, kept, kept_logps = set(eos_ids), [], []
@@ -144,7 +145,7 @@ def hf_view(params: dict[str, torch.Tensor], packed: dict[str, list[str]], shape
             break
     view = None if tensor is None else tensor[offset:offset + shapes[name][0]]
     if view is None or tuple(view.shape) != shapes[name]:
-        raise RunError(f"grpo.engine=vllm: no vLLM parameter holds {name} {list(shapes[name])} (this family's names "
+        raise RunError(f"rollout.engine=vllm: no vLLM parameter holds {name} {list(shapes[name])} (this family's names "
                        "are not mapped by llmtrain/rollout/vllm.py's hf_view): the weight-sync check cannot read it")
     return view
 
@@ -153,25 +154,24 @@ class VLLMEngine:
     """vLLM colocated in each training process, on its own copy of the policy (the module's docstring)."""
     copies_weights = True
 
-    def __init__(self, model: nn.Module, model_config, autocast: Callable[[], contextlib.AbstractContextManager],
-                 eos_ids: list[int], pad_id: int, device: torch.device, setup: EngineSetup):
-        import vllm  # here: optional and CUDA only (llmtrain.rollout.registry.check_engine refused a run without it)
+    def __init__(self, section: RolloutSection, setup: EngineSetup):
+        import vllm  # here: optional and CUDA only (llmtrain.rollout.section.check_engine refused a run without it)
 
-        layout = hf_layout(model_config)
+        layout = hf_layout(setup.model_config)
         self.shapes, self.pushed = layout.shapes, layout.pushed
-        config = copy.deepcopy(model_config)
+        config = copy.deepcopy(setup.model_config)
         config.architectures = [layout.architecture]  # vLLM picks its model class by it (an inline config has none)
         directory = Path(setup.workdir) / ".vllm-config" / f"rank{dist.get_rank()}"  # rewritten by the next run
         directory.mkdir(parents=True, exist_ok=True)
         config.save_pretrained(directory)
-        self.weights_dtype, self.device, self.sleep_mode = setup.dtype, device, setup.vllm_enable_sleep_mode
-        self.eos, self.pad, self.params = sorted(set(eos_ids)), pad_id, vllm.SamplingParams
+        self.weights_dtype, self.device, self.sleep_mode = setup.dtype, setup.device, section.vllm_enable_sleep_mode
+        self.eos, self.pad, self.params = sorted(set(setup.eos_ids)), setup.pad_id, vllm.SamplingParams
         self.llm = vllm.LLM(model=str(directory), load_format="dummy", skip_tokenizer_init=True,
                             dtype=str(setup.dtype).removeprefix("torch."), seed=setup.seed,
                             distributed_executor_backend="external_launcher", tensor_parallel_size=1,
-                            gpu_memory_utilization=setup.vllm_gpu_memory_utilization, max_model_len=setup.max_len,
+                            gpu_memory_utilization=section.vllm_gpu_memory_utilization, max_model_len=setup.max_len,
                             max_num_seqs=setup.max_rows, max_num_batched_tokens=max(4096, setup.max_rows),
-                            enable_sleep_mode=setup.vllm_enable_sleep_mode, logprobs_mode="processed_logprobs")
+                            enable_sleep_mode=section.vllm_enable_sleep_mode, logprobs_mode="processed_logprobs")
         self.asleep = False
         self.sleep()
 
@@ -211,4 +211,4 @@ class VLLMEngine:
                                     [self.params(**params) for _, params in requests], use_tqdm=False)
         seconds = time.perf_counter() - t0
         self.sleep()
-        return listed(from_vllm(outputs, self.eos, self.pad), seconds)
+        return as_completions(from_vllm(outputs, self.eos, self.pad), seconds)

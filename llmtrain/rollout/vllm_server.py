@@ -1,4 +1,4 @@
-"""grpo.engine=vllm with grpo.vllm_server_url: generation on a vLLM server with GPUs of its own (TRL's
+"""rollout.engine=vllm with rollout.vllm_server_url: generation on a vLLM server with GPUs of its own (TRL's
 vllm_mode="server"); the trainer keeps the loss, the rewards and the optimizer. It speaks to vLLM's own server
 (`vllm serve`, started as docs/grpo.md shows) as TRL 1.16's trl/generation/vllm_client.py does:
 
@@ -20,7 +20,6 @@ The NCCL side is vLLM's trainer side (NcclTransport: vllm imported when the engi
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 import time
@@ -31,12 +30,12 @@ from typing import Callable, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from llmtrain import distributed
 from llmtrain.config import RunError
-from llmtrain.rollout.engine import Completions, EngineSetup, listed
-from llmtrain.rollout.local import Sampling
+from llmtrain.rollout.engine import Completions, EngineSetup, Sampling
+from llmtrain.rollout.local import as_completions
+from llmtrain.rollout.section import RolloutSection
 from llmtrain.rollout.vllm import cut_at_eos, hf_layout, vllm_requests
 
 CONCURRENT = 64  # completion requests in flight per rank (TRL's default generation concurrency)
@@ -58,9 +57,10 @@ class Server:
                 text = response.read().decode()
         except urllib.error.HTTPError as e:
             detail = " ".join(e.read().decode(errors="replace").split())[:300]
-            raise RunError(f"grpo.vllm_server_url: {route} at {self.url} answered {e.code}: {detail}") from None
+            raise RunError(f"rollout.vllm_server_url: {route} at {self.url} answered {e.code}: {detail}") from None
         except OSError as e:  # refused, reset, timed out (URLError is an OSError)
-            raise RunError(f"grpo.vllm_server_url: {route} at {self.url} failed: {getattr(e, 'reason', e)}") from None
+            reason = getattr(e, "reason", e)
+            raise RunError(f"rollout.vllm_server_url: {route} at {self.url} failed: {reason}") from None
         return json.loads(text) if text.strip() else None
 
     def wait(self) -> None:
@@ -72,8 +72,8 @@ class Server:
                 return
             except RunError as e:
                 if time.monotonic() > deadline:
-                    raise RunError(f"grpo.vllm_server_url: no vLLM server answered at {self.url} within "
-                                   f"grpo.vllm_server_timeout={self.timeout:g} s ({e}); start it as docs/grpo.md "
+                    raise RunError(f"rollout.vllm_server_url: no vLLM server answered at {self.url} within "
+                                   f"rollout.vllm_server_timeout={self.timeout:g} s ({e}); start it as docs/grpo.md "
                                    "shows, or raise the timeout") from None
             time.sleep(1.0)
 
@@ -139,19 +139,17 @@ class VLLMServerEngine:
     """Generation on a vLLM server; rank 0 pushes the weights to it (the module's docstring)."""
     copies_weights = True
 
-    def __init__(self, model: nn.Module, model_config, autocast: Callable[[], contextlib.AbstractContextManager],
-                 eos_ids: list[int], pad_id: int, device: torch.device, setup: EngineSetup,
-                 transport: Callable[[], Transport] = NcclTransport):
-        self.server = Server(setup.vllm_server.url, setup.vllm_server.timeout)
+    def __init__(self, section: RolloutSection, setup: EngineSetup, transport: Callable[[], Transport] = NcclTransport):
+        self.server = Server(section.vllm_server_url, section.vllm_server_timeout)
         self.server.wait()
         self.model_name = self.server.call("/v1/models")["data"][0]["id"]
-        layout = hf_layout(model_config)
+        layout = hf_layout(setup.model_config)
         self.shapes, self.pushed = layout.shapes, layout.pushed
         self.weights_dtype = getattr(torch, self.rpc("llmtrain_dtype")[0])
-        self.eos, self.pad, self.device, self.transport = sorted(set(eos_ids)), pad_id, device, None
+        self.eos, self.pad, self.device, self.transport = sorted(set(setup.eos_ids)), setup.pad_id, setup.device, None
         if dist.get_rank() == 0:
             self.transport = transport()
-            self.connect(setup.vllm_server.group_port)
+            self.connect(section.vllm_group_port)
 
     def rpc(self, method: str, *args: str) -> list:
         """Every server worker's answer to WeightCheck's `method` (string arguments only: /collective_rpc's)."""
@@ -165,7 +163,7 @@ class VLLMServerEngine:
         """Rank 0 joins the server's weight transfer group."""
         config = self.server.call("/server_info?config_format=json")["vllm_config"]
         if "weight_transfer_config" not in config or config["weight_transfer_config"] is None:  # older vLLM, or off
-            raise RunError(f"grpo.vllm_server_url: the server at {self.server.url} has no weight transfer engine; "
+            raise RunError(f"rollout.vllm_server_url: the server at {self.server.url} has no weight transfer engine; "
                            "start it with --weight-transfer-config '{\"backend\": \"nccl\"}' (docs/grpo.md)")
         workers = self.server.call("/get_world_size")["world_size"]
         init = {"master_address": self.transport.address(), "master_port": port, "rank_offset": 1,
@@ -190,8 +188,8 @@ class VLLMServerEngine:
         if failed:
             raise failed[0]
         if thread.is_alive():
-            raise RunError(f"grpo.vllm_server_url: {route} was answered, but the trainer's side of the weight "
-                           f"transfer did not finish within grpo.vllm_server_timeout={self.server.timeout:g} s")
+            raise RunError(f"rollout.vllm_server_url: {route} was answered, but the trainer's side of the weight "
+                           f"transfer did not finish within rollout.vllm_server_timeout={self.server.timeout:g} s")
 
     def update_weights(self, step: int, full: dict[str, torch.Tensor]) -> None:
         if self.transport is not None:
@@ -222,4 +220,4 @@ class VLLMServerEngine:
                                                                    bodies)]
         seconds = time.perf_counter() - t0
         logps = [None if c["logprobs"] is None else c["logprobs"]["token_logprobs"] for c in choices]
-        return listed(cut_at_eos([c["token_ids"] for c in choices], logps, self.eos, self.pad), seconds)
+        return as_completions(cut_at_eos([c["token_ids"] for c in choices], logps, self.eos, self.pad), seconds)

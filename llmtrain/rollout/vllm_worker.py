@@ -1,6 +1,6 @@
 """llmtrain's vLLM worker extension: a vLLM server started with
 `--worker-extension-cls llmtrain.rollout.vllm_worker.WeightCheck` (and VLLM_SERVER_DEV_MODE=1, which opens
-/collective_rpc) lets grpo.vllm_server_url's weight-sync check read the weights each worker samples with. vLLM
+/collective_rpc) lets rollout.vllm_server_url's weight-sync check read the weights each worker samples with. vLLM
 mixes the class into its Worker: self.model_runner.model is the worker's model, self.model_config.hf_config its
 Hugging Face config. /collective_rpc passes strings only, so names travel as JSON."""
 

@@ -26,6 +26,7 @@ from llmtrain import teacher_logits as stored
 from llmtrain.config import ConfigError, load_config
 from llmtrain.losses.token import next_token_targets
 from llmtrain.models import hf, lora
+from llmtrain.run import failures
 from llmtrain.recipes.distill import DistillConfig, Teacher, check_teacher, check_top_k_stored
 from llmtrain.train.cli import exit_code, fail
 
@@ -117,10 +118,10 @@ def stopped_line(e: BaseException, rank: int, out: Path) -> str | None:
     """The one line of a precompute stopped by a signal or by a lost peer (None for any other error): who ended
     and that nothing was written (the directory appears complete or not at all)."""
     if isinstance(e, Stopped):
-        dead = distributed.dead_peers()
+        dead = failures.dead_peers()
         why = f"stopped by {e}" + (f" ({'; '.join(f'rank {r} {how}' for r, how in dead.items())})" if dead else "")
         line = f"error (rank {rank}): distill_precompute {why}"
-    elif lost := distributed.lost_peer(e, rank):
+    elif lost := failures.lost_peer(e, rank):
         line = f"error: {lost}"
     else:
         return None

@@ -14,13 +14,14 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from llmtrain import checkpoint, data, distributed, export as export_lib, lock, optim, parallelize, preflight, resume
+from llmtrain import checkpoint, data, distributed, export as export_lib, optim, parallelize
 from llmtrain.config import CheckpointConfig, Config, to_yaml
 from llmtrain.losses import token as loss_lib
 from llmtrain.metrics import METRICS_FILE, MetricsLogger
 from llmtrain.models import attention, lora
 from llmtrain.models import hf as model_lib
 from llmtrain.models.build import BuiltModel, build_model
+from llmtrain.run import lock, preflight, resume
 from llmtrain.train.source import DataSource
 from llmtrain.train.step import Stepper
 from llmtrain.utils import DTYPES
@@ -73,7 +74,7 @@ class Run:
 
 def build(cfg: Config, env: distributed.DistEnv, recipe: str, registered: list[Registered] = ()) -> Run:
     """Everything up to the data, resumed from the newest verified checkpoint if there is one (with every
-    `registered` object's state) when it was saved by the same setup (llmtrain.resume)."""
+    `registered` object's state) when it was saved by the same setup (llmtrain.run.resume)."""
     preemption = distributed.PreemptionFlag()
     if cfg.distributed.preflight:  # all ranks joined (distributed.init); now collectives, output_dir, versions
         summary = preflight.run(env, cfg.output_dir, cfg.distributed.preflight_timeout_s)
@@ -193,7 +194,7 @@ def sampling_weights(run: Run) -> dict[str, torch.Tensor]:
 
 def export(run: Run, step_dir: str) -> list[Path]:
     """output_dir/hf[/step_dir]; with LoRA, as lora.export says, also output_dir/adapter[/step_dir]. A full disk
-    waits up to checkpoint.export_wait_minutes for space (export_lib.written); if the export still cannot be
+    waits up to checkpoint.export_wait_minutes for space (export_lib.write_until_fits); if the export still cannot be
     written, the error says which checkpoint holds the weights, if any."""
     cfg, env = run.cfg, run.env
     dtype, wait = DTYPES[cfg.checkpoint.export_dtype], cfg.checkpoint.export_wait_minutes

@@ -10,7 +10,8 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-from llmtrain import checkpoint, data, distributed, export, launch, lock, parallelize
+from llmtrain import checkpoint, data, distributed, export, launch, parallelize
+from llmtrain.run import failures, lock
 from llmtrain import metrics as metrics_lib
 from llmtrain.config import Config, ConfigError, RunError, describe, load_config, to_yaml
 from llmtrain.losses import token as loss_lib
@@ -67,7 +68,7 @@ def main(argv: list[str] | None, usage: str, config_cls: type[Config],
         return 0
     try:
         cfg = setup(args, config_cls, check)
-    except ConfigError as e:  # every rank finds it alike: printed once (distributed.error_once)
+    except ConfigError as e:  # every rank finds it alike: printed once (failures.error_once)
         return fail(f"error: {e}", 2, once=True)
     if args.print_config:
         print_piped(to_yaml(cfg))
@@ -85,7 +86,7 @@ def main(argv: list[str] | None, usage: str, config_cls: type[Config],
         return fail(f"error: {e}", 2, once=True)
     except Exception as e:
         line = report(e, cfg.output_dir, env.rank)
-        distributed.tell_launcher(line)
+        failures.tell_launcher(line)
         return exit_code(1)
     finally:
         lock.release()
@@ -95,8 +96,8 @@ def main(argv: list[str] | None, usage: str, config_cls: type[Config],
 def fail(line: str, code: int, once: bool = False) -> int:
     """Print the error line (`once`: once for all ranks that print the same), hand it to torchrun for its
     failure report, and return the exit code."""
-    (distributed.error_once if once else distributed.write_line)(line)
-    distributed.tell_launcher(line)
+    (failures.error_once if once else failures.write_line)(line)
+    failures.tell_launcher(line)
     return exit_code(code)
 
 
@@ -128,7 +129,7 @@ def report(e: Exception, output_dir: str, rank: int) -> str:
     except OSError:
         traceback.print_exc()
         where = "traceback above"
-    if lost := distributed.lost_peer(e, rank):  # not gloo's or NCCL's raw text: who, where, what is saved
+    if lost := failures.lost_peer(e, rank):  # not gloo's or NCCL's raw text: who, where, what is saved
         saved = checkpoint.complete_checkpoints(Path(output_dir) / "checkpoints")
         newest = f"{saved[-1][1]} (a rerun resumes from it)" if saved else "none yet (a rerun starts afresh)"
         line = f"error: {lost}; newest checkpoint: {newest} ({where})"
@@ -138,5 +139,5 @@ def report(e: Exception, output_dir: str, rank: int) -> str:
         prefix = "error:" if getattr(e, "collective", False) else f"error (rank {rank}):"
         line = f"{prefix} {summary} ({where})"
     if not getattr(e, "collective", False) or rank == 0:
-        distributed.write_line(line)
+        failures.write_line(line)
     return line

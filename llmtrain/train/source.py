@@ -1,8 +1,8 @@
-"""A batch source: the one thing a recipe hands the loop. Each call of next() gives this rank's micro-batches
-of one optimizer step (what the objective trains on) and the source's own metrics; position() is where a
-resume starts (TrainState.data); state_dict()/load_state_dict() carry anything else it must keep across a
-resume (Recipe.source_state names it in the checkpoints). The data's micro-batches are one source (DataSource);
-GRPO's rollouts (prompts -> engine -> rewards -> rows) another; a Wrapping remakes another source's micro-batches."""
+"""A batch source: the one thing a recipe hands the loop. Each call of next() gives this rank's micro-batches of one
+optimizer step (what the objective trains on) and the source's own metrics; position() is where a resume starts
+(TrainState.data); state_dict()/load_state_dict() carry anything else it must keep across a resume (Recipe.source_state
+names it in the checkpoints). The data's micro-batches are one source (DataSource); GRPO's rollouts (prompts -> engine
+-> rewards -> rows) another; a DerivedSource remakes another source's micro-batches."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ class DataSource:
         pass
 
 
-class Wrapping:
+class DerivedSource:
     """A source that remakes another's micro-batches (its own next()) and keeps that one's position and state
     as they are: distillation's offline teacher and on-policy steps."""
 
@@ -77,7 +77,8 @@ class Held:
     def load_state_dict(self, state: dict) -> None:
         self.loaded = state
 
-    def hand_to(self, source: BatchSource) -> BatchSource:
+    def load_into(self, source: BatchSource) -> BatchSource:
+        """`source` loads what a resume read; from now on the checkpoints save its state. Returns it."""
         source.load_state_dict(self.loaded)
         self.source = source
         return source

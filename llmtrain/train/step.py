@@ -6,10 +6,11 @@ when non-finite). What is the recipe's own is its Objective (llmtrain.recipes: s
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 from torch import nn
+from torch.distributed import ReduceOp
 
 from llmtrain.data import SAMPLE_INDEX
 from llmtrain.distributed import all_reduce
@@ -31,6 +32,33 @@ class StepResult(NamedTuple):
 class Share(NamedTuple):
     loss: torch.Tensor     # this micro-batch's share of the step's global loss (differentiable)
     metrics: torch.Tensor  # 1-D sums for Objective.report (detached), summed over micro-batches and ranks
+    minima: torch.Tensor | None = None  # 1-D (detached), the smallest over micro-batches and ranks
+    maxima: torch.Tensor | None = None  # 1-D (detached), the largest over micro-batches and ranks
+
+
+class Reduction(NamedTuple):
+    """How each part of a Share combines over micro-batches (elementwise) and then over ranks (all_reduce)."""
+    field: str
+    combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # two micro-batches' parts -> their combination
+    op: ReduceOp
+
+
+REDUCTIONS = (Reduction("metrics", torch.add, ReduceOp.SUM), Reduction("minima", torch.minimum, ReduceOp.MIN),
+              Reduction("maxima", torch.maximum, ReduceOp.MAX))
+
+
+def combined(shares: list[Share]) -> torch.Tensor:
+    """Collective: the step's shares reduced (REDUCTIONS) over micro-batches and ranks, as Objective.report takes
+    them: the summed metrics, then the minima, then the maxima (those an objective's shares carry)."""
+    out = []
+    for r in REDUCTIONS:
+        parts = [getattr(share, r.field) for share in shares]
+        if parts[0] is not None:
+            total = parts[0]
+            for part in parts[1:]:
+                total = r.combine(total, part)
+            out.append(all_reduce(total, r.op))
+    return torch.cat(out)
 
 
 class Objective(Protocol):
@@ -45,7 +73,8 @@ class Objective(Protocol):
         """Forward (under the strategy's autocast) and this micro-batch's Share."""
 
     def report(self, metrics: torch.Tensor, totals: torch.Tensor) -> tuple[float, dict]:
-        """From the summed Share.metrics: (the step's loss, the recipe's metrics by name)."""
+        """From the step's combined shares (the summed Share.metrics, then its minima and maxima when it has them:
+        combined()): (the step's loss, the recipe's metrics by name)."""
 
 
 class Stepper(NamedTuple):
@@ -65,7 +94,7 @@ def accumulate(s: Stepper, batches: list[dict], objective: Objective, key: tuple
     batches = [{k: v.to(s.device, non_blocking=True) for k, v in b.items()} for b in batches]
     local = torch.stack([torch.cat([trained_tokens(b["labels"]).reshape(1), objective.counts(b)]) for b in batches])
     totals = all_reduce(local.sum(0))
-    summed = None
+    shares = []
     for i, batch in enumerate(batches):
         with grad_sync(s.model, s.plan, enabled=i == len(batches) - 1), dropout.rows(*key, batch.get(SAMPLE_INDEX)):
             with autocast(s.plan, s.device):
@@ -73,8 +102,8 @@ def accumulate(s: Stepper, batches: list[dict], objective: Objective, key: tuple
             # Data-parallel wrappers average gradients over ranks: x world size makes them the global mean's.
             scaled = part.loss * s.world_size
             (s.scaler.scale(scaled) if s.scaler else scaled).backward()
-        summed = part.metrics if summed is None else summed + part.metrics
-    loss, extra = objective.report(all_reduce(summed), totals)
+        shares.append(part._replace(loss=None))  # keeps no graph alive
+    loss, extra = objective.report(combined(shares), totals)
     grad_norm, ok = update(s, loss)
     return StepResult(loss, grad_norm, int(totals[0]), ok, extra)
 

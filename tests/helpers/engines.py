@@ -23,8 +23,8 @@ def stale_copy_is_caught(trainer: torch.nn.Module, engine, name: str, bump: floa
     with pytest.raises(RunError) as e:
         sync.check(stale, engine.fingerprint(list(stale)), 1, name)
     first = next(iter(stale))
-    assert str(e.value) == (f"grpo.engine={name}: after the weight push for step 2, rank 0's engine differs from the "
-                            f"trainer on {first} (fingerprint {engine.fingerprint([first])[first]!r} vs "
+    assert str(e.value) == (f"rollout.engine={name}: after the weight push for step 2, rank 0's engine differs from "
+                            f"the trainer on {first} (fingerprint {engine.fingerprint([first])[first]!r} vs "
                             f"{stale[first]!r}): it would sample from stale weights")
     engine.update_weights(1, moved)  # pushed: equal again
     sync.check(stale, engine.fingerprint(list(stale)), 1, name)

@@ -1,58 +1,27 @@
-"""The one way the tests and the benchmarks start a process: torchrun --standalone or plain python (or, for the
-tests, a child of helpers/forkserver.py: spawn) from the repository root, in its own process group, with one
-thread per process, offline and unbuffered; finished within a hard limit, after which (or once the process is
-done) the whole group is killed, so a hung collective or an orphaned worker never outlives its caller.
-tests/helpers/procs.py turns a timeout into a failed test, bench/common.py into a BenchError: this module
-imports neither pytest nor llmtrain."""
+"""The tests' launches: llmtrain/run/launcher.py (shared with bench/), plus the fork server: a recipe or
+`-m llmtrain.X` launched with torchrun=None and no extra environment runs as children of helpers/forkserver.py,
+without the imports each fresh process would pay. This module imports no pytest."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 from helpers import forkserver
+from llmtrain.run.launcher import BIN, TimedOut, command, env, finish
+from llmtrain.run.launcher import start as start_in
+
+__all__ = ["BIN", "TimedOut", "command", "env", "finish", "spawn", "start"]
 
 REPO = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
 _server: forkserver.Server | None = None  # started by the first spawn that can use it
 _no_server = False  # it could not start: every launch starts a fresh process
 
 
-class TimedOut(RuntimeError):
-    """The process ran past its limit and was killed with its group; carries what it wrote."""
-
-    def __init__(self, cmd: list[str], timeout: float, stdout: str, stderr: str):
-        super().__init__(f"timed out after {timeout:.0f}s: {' '.join(cmd)}")
-        self.stdout, self.stderr = stdout, stderr or ""
-
-
-def env(extra: dict | None = None) -> dict:
-    """This process's environment with one thread per process (torchrun's own default for several ranks),
-    no Hugging Face Hub and unbuffered output; `extra` last."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(extra or {})}
-
-
-def command(args: list, nproc: int = 1, torchrun: bool | None = None,
-            torchrun_args: tuple[str, ...] = ()) -> list[str]:
-    """`args` (a script or -m module and its arguments) under torchrun with nproc processes, or plain python.
-    torchrun=None: torchrun for several processes or torchrun_args, plain python for one (the same run, as
-    tests/test_features.py checks, without the launcher's ~3 s of CPU)."""
-    if torchrun is None:
-        torchrun = nproc > 1 or bool(torchrun_args)
-    if torchrun:
-        return [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", *torchrun_args,
-                *map(str, args)]
-    return [sys.executable, *map(str, args)]
-
-
 def start(cmd: list, extra_env: dict | None = None, merge_stderr: bool = False) -> subprocess.Popen:
-    """Start cmd from the repository root in a new process group (session), text output piped."""
-    return subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env(extra_env), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE, text=True,
-                            start_new_session=True)
+    """Start cmd from the repository root (llmtrain.run.launcher.start)."""
+    return start_in(cmd, REPO, extra_env, merge_stderr)
 
 
 def spawn(args: list, nproc: int = 1, torchrun: bool | None = None, torchrun_args: tuple[str, ...] = (),
@@ -90,22 +59,3 @@ def _ours(argv: list[str]) -> bool:
     if argv[:1] == ["-m"]:
         return len(argv) > 1 and argv[1].startswith("llmtrain.")
     return bool(argv) and Path(argv[0]).resolve().parent == REPO / "recipes"
-
-
-def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
-    """Wait for proc within `timeout` seconds, then kill its group; raises TimedOut if it had to be killed."""
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        out, err = proc.communicate()
-        raise TimedOut(proc.args, timeout, out, err) from None
-    _kill_group(proc)  # anything the process left behind in its group
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def _kill_group(proc: subprocess.Popen | forkserver.Forked) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:  # the group is empty: nothing left behind
-        pass

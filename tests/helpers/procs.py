@@ -1,6 +1,6 @@
-"""Launch real processes (torchrun --standalone, or plain python: helpers/launcher.py, shared with bench/) with a
-hard timeout that kills the whole process group, so a hung collective fails a test instead of hanging the suite;
-and read what a run logged.
+"""Launch real processes (torchrun --standalone, or plain python: helpers/launcher.py over llmtrain/run/launcher.py,
+shared with bench/) with a hard timeout that kills the whole process group, so a hung collective fails a test
+instead of hanging the suite; and read what a run logged.
 Only a test marked slow may launch: `make test-fast` (-m "not slow") must start no process (tests/conftest.py
 tells this module which test is running)."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from helpers import RECIPE, TINY, launcher
-from llmtrain.distributed import launcher_children
+from llmtrain.run.failures import launcher_children
 
 BIN = launcher.BIN  # where torchrun, lm_eval, accelerate are
 

@@ -1,0 +1,46 @@
+"""Scoring a generation batch (GRPO): this rank's completions scored by the reward functions (llmtrain.rewards),
+every rank's scores gathered, and the group-relative advantages over them (llmtrain.losses.policy)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from llmtrain import distributed, rewards
+from llmtrain.losses import policy
+
+
+class Scores(NamedTuple):
+    per_func: torch.Tensor          # [this rank's completions, functions] float64 (NaN: the function returned None)
+    advantages: policy.Advantages   # the global batch's, in its order
+    metrics: dict[str, float]       # TRL's reward metrics over the global batch
+    note: str | None                # a line for the log when no function applied to any completion
+
+
+class Scorer:
+    """The reward functions and how their rewards become advantages: weights (one per function, [] for all 1),
+    num_generations completions per prompt (a group), scale_rewards (group | batch | none), timeout_s per call."""
+
+    def __init__(self, funcs: list[rewards.RewardFunc], weights: list[float], num_generations: int,
+                 scale_rewards: str, timeout_s: float, rank: int, device: torch.device):
+        self.funcs, self.weights, self.G, self.scale = funcs, weights, num_generations, scale_rewards
+        self.timeout_s, self.rank, self.device = timeout_s, rank, device
+
+    def score(self, batch: dict, rows: range, tokens: list[list[int]], texts: list[str], step: int) -> Scores:
+        """Collective. batch: the step's prompts (every rank's: prompts, columns, prompt_index); rows: this rank's
+        completions in the global order (completion c of prompt c // G); tokens, texts: theirs; step: the step
+        they train (1-based, for the log)."""
+        at = [c // self.G for c in rows]
+        prompts = [batch["prompts"][i] for i in at]
+        completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
+                       for t, p in zip(texts, prompts)]
+        columns = [batch["columns"][i] for i in at]
+        names = sorted({k for c in columns for k in c})
+        per_func = torch.tensor(rewards.score_everywhere(
+            self.funcs, prompts, completions, tokens, {k: [c.get(k) for c in columns] for k in names},
+            [int(batch["prompt_index"][i]) for i in at], self.timeout_s, self.rank), dtype=torch.float64)
+        scores = distributed.gather_rows(per_func.to(self.device)).cpu()
+        adv = policy.group_advantages(scores, self.weights, self.G, self.scale)
+        note = rewards.none_applied(scores, self.funcs, batch["prompt_index"].tolist(), step)
+        return Scores(per_func, adv, policy.reward_metrics(scores, [f.name for f in self.funcs], adv), note)
