@@ -8,6 +8,7 @@ did (its val_* metrics)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -16,6 +17,9 @@ import torch.nn.functional as F
 
 from helpers import REPO, TINY
 from helpers.procs import losses_by_step, read_metrics, run_recipe, run_side_by_side
+from llmtrain.config import DataConfig
+from llmtrain.data.formats import BadRecord
+from llmtrain.data.preference import collate_pairs, encode_preference
 from llmtrain.losses import reward as rl
 from helpers.pairs import PAIRS, dpo_args, first_batch
 
@@ -70,6 +74,21 @@ def test_reward_any_split_gives_the_whole_batch(single_process_group):
     torch.testing.assert_close(torch.stack([p.extrema for p in parts]).amax(0), whole.extrema)
 
 
+def test_margin_column_reaches_the_batch_and_bad_margins_are_named():
+    """TRL's optional "margin" column: kept per pair into the collated batch (0 without one); a non-number is a
+    bad record naming the field."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(REPO / "assets" / "tokenizer")
+    record = {"prompt": "Anna has two cups.", "chosen": " Three.", "rejected": " Four."}
+    pairs = [encode_preference(record | {"margin": 1.5}, DataConfig(seq_len=64), tok),
+             encode_preference(record, DataConfig(seq_len=64), tok)]
+    assert collate_pairs(pairs, tok.pad_token_id)["margin"].tolist() == [1.5, 0.0]
+    for bad in ("1", None, True, float("nan")):
+        with pytest.raises(BadRecord, match="field 'margin'"):
+            encode_preference(record | {"margin": bad}, DataConfig(seq_len=64), tok)
+
+
 # ----------------------------------------------------------------------------- end to end
 
 SPLITS = {  # name: (ranks, overrides): global batch 4 pairs in each
@@ -80,6 +99,15 @@ SPLITS = {  # name: (ranks, overrides): global batch 4 pairs in each
     "fsdp2": (2, ("parallel.strategy=fsdp2", "train.micro_batch_size=2", "checkpoint.every_steps=2")),
 }
 CENTER = "reward.center_rewards_coefficient=0.01"
+# The head trains with the adapters (PEFT's modules_to_save), on 1 process and on 2 fsdp2 ranks.
+LORA = ("lora.enabled=true", "lora.r=4", "lora.alpha=8", "lora.dropout=0", "lora.modules_to_save=[score]",
+        "train.lr=1e-2")
+NF4 = "lora.quantize_base=nf4"  # QLoRA: the block linears in NF4 (the tiny shape's are all multiples of 64)
+LORA_SPLITS = {"lora": (1, ("parallel.strategy=none", *LORA)),
+               "lora_fsdp2": (2, ("parallel.strategy=fsdp2", "train.micro_batch_size=1", "train.grad_accum_steps=2",
+                                  *LORA)),
+               "qlora": (1, ("parallel.strategy=none", *LORA, NF4)),
+               "qlora_fsdp2": (2, ("parallel.strategy=fsdp2", "train.micro_batch_size=2", *LORA, NF4))}
 
 
 @pytest.fixture(scope="session")
@@ -90,11 +118,22 @@ def reward_val(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def reward_runs(tmp_path_factory, base, reward_val):
+def margin_pairs(tmp_path_factory):
+    """The demo pairs with TRL's margin column: 0, 0.5, 1 or 1.5."""
+    out = tmp_path_factory.mktemp("reward_margin") / "pairs.jsonl"
+    lines = PAIRS.read_text().splitlines()[:40]
+    out.write_text("".join(json.dumps(json.loads(line) | {"margin": (i % 4) / 2}) + "\n"
+                           for i, line in enumerate(lines)))
+    return out
+
+
+@pytest.fixture(scope="session")
+def reward_runs(tmp_path_factory, base, reward_val, margin_pairs):
     root = tmp_path_factory.mktemp("reward")
     val = (f"data.val_path={reward_val}", "eval.every_steps=3")
+    margin = {"margin": (1, ("parallel.strategy=none", "train.max_steps=1", f"data.path={margin_pairs}"))}
     runs = {name: (root / name, ranks, dpo_args(base, *extra, *val, CENTER), REWARD)
-            for name, (ranks, extra) in SPLITS.items()}
+            for name, (ranks, extra) in (SPLITS | LORA_SPLITS | margin).items()}
     for name, res in run_side_by_side(runs, at_once=3).items():
         (root / name / "stdout.log").write_text(res.stdout)
     return {name: root / name for name in runs}
@@ -127,6 +166,16 @@ def test_reward_step_one_equals_trl_formula_on_the_seeded_head(reward_runs, base
 
 
 @pytest.mark.slow
+def test_reward_margin_column_enters_the_loss(reward_runs, base, margin_pairs):
+    batch = first_batch(margin_pairs)
+    assert batch["margin"].sum() > 0
+    want, _ = trl_loss(scores(with_head(base), batch), margin=batch["margin"], center=0.01)
+    unmargined, _ = trl_loss(scores(with_head(base), batch), center=0.01)
+    got = read_metrics(reward_runs["margin"])[0]
+    assert got["loss"] == pytest.approx(want.item(), abs=1e-6) and abs(want.item() - unmargined.item()) > 1e-3
+
+
+@pytest.mark.slow
 def test_reward_losses_match_across_strategies_ranks_and_accumulation(reward_runs):
     want = losses_by_step(reward_runs["none"])
     assert len(want) == 3 and want[3] < want[1]
@@ -153,6 +202,39 @@ def test_reward_export_scores_are_the_trained_models(reward_runs, reward_val):
     assert logged["step"] == 3 and logged["val_loss"] == pytest.approx(loss.item(), abs=1e-5)
     for key, value in want.items():
         assert logged[f"val_{key}"] == pytest.approx(value, abs=1e-5), key
+
+
+@pytest.mark.slow
+def test_reward_lora_trains_the_head_with_the_adapters_and_exports_it(reward_runs, reward_val, base):
+    """LoRA with score in lora.modules_to_save: the same losses on 2 fsdp2 ranks as on 1 process; the adapter
+    holds the head's trained copy; the merged export (hf/) scores the held-out pairs as the trained model did."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSequenceClassification
+
+    want = losses_by_step(reward_runs["lora"])
+    assert len(want) == 3 and want[3] < want[1]
+    assert losses_by_step(reward_runs["lora_fsdp2"]) == pytest.approx(want, abs=TOL)
+    adapter = load_file(reward_runs["lora"] / "adapter" / "adapter_model.safetensors")
+    (head,) = [k for k in adapter if k.startswith("base_model.model.score.")]
+    model = AutoModelForSequenceClassification.from_pretrained(reward_runs["lora"] / "hf", dtype=torch.float32)
+    torch.testing.assert_close(model.score.weight, adapter[head])
+    assert not torch.equal(model.score.weight, with_head(base).score.weight)  # trained from its seeded start
+    loss, want_metrics = trl_loss(scores(model.eval(), first_batch(reward_val, pairs=5)), center=0.01)
+    (logged,) = [r for r in read_metrics(reward_runs["lora"]) if "val_loss" in r]
+    assert logged["val_loss"] == pytest.approx(loss.item(), abs=1e-5)
+    for key, value in want_metrics.items():
+        assert logged[f"val_{key}"] == pytest.approx(value, abs=1e-5), key
+
+
+@pytest.mark.slow
+def test_reward_qlora_trains_on_an_nf4_base_the_same_on_one_or_two_ranks(reward_runs):
+    """lora.quantize_base=nf4: the block linears quantized (the score head, outside the blocks, trains in full
+    precision with the adapters); the same losses on 2 fsdp2 ranks as on 1 process, other than LoRA's."""
+    want = losses_by_step(reward_runs["qlora"])
+    assert len(want) == 3 and want[3] < want[1]
+    assert losses_by_step(reward_runs["qlora_fsdp2"]) == pytest.approx(want, abs=TOL)
+    assert want != pytest.approx(losses_by_step(reward_runs["lora"]), abs=1e-6)  # the NF4 base differs
+    assert "nf4" in (reward_runs["qlora"] / "stdout.log").read_text().lower()
 
 
 @pytest.mark.slow
