@@ -19,7 +19,8 @@ from llmtrain.config import ConfigError, DataConfig
 from llmtrain.data.formats import IGNORE
 from llmtrain.data.preference import collate_pairs, encode_preference
 from llmtrain.losses import preference as pl
-from helpers.pairs import DPO, dpo_args, first_batch, logsig, plain_logps, random_batch, sequence_logps, tiny_model
+from helpers.pairs import (DPO, assert_splits_match_the_whole_batch, dpo_args, first_batch, logsig, plain_logps,
+                           random_batch, sequence_logps, tiny_model)
 
 TOL = 1e-5
 # (loss, cpo_loss_type, beta, label_smoothing, gamma, cpo_alpha)
@@ -129,12 +130,7 @@ def test_orpo_cpo_any_split_gives_the_loss_metrics_and_gradients_of_the_whole_ba
         return (value, pl.metrics(summed, int(totals[0]), loss, int(totals[1])),
                 [p.grad.clone() for p in policy.parameters()])
 
-    whole = run([(0, 6)])
-    split = run([(0, 1), (1, 3), (3, 6)])
-    assert split[0] == pytest.approx(whole[0], abs=1e-6)
-    assert split[1] == pytest.approx(whole[1], abs=1e-5)
-    for a, b in zip(split[2], whole[2]):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert_splits_match_the_whole_batch(run)
 
 
 def test_orpo_cpo_settings_are_checked_naming_the_key():

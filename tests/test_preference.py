@@ -11,7 +11,7 @@ import torch
 from transformers import AutoTokenizer
 
 from helpers import REPO, TINY
-from helpers.pairs import logsig, plain_logps, random_batch, tiny_model
+from helpers.pairs import assert_splits_match_the_whole_batch, logsig, plain_logps, random_batch, tiny_model
 from llmtrain.config import ConfigError, DataConfig, load_config
 from llmtrain.data.formats import DEFAULT_CHAT_TEMPLATE, IGNORE, BadRecord, prepare_tokenizer
 from llmtrain.data.preference import Pair, collate_pairs, encode_preference, truncate
@@ -224,12 +224,7 @@ def test_any_split_gives_the_loss_metrics_and_gradients_of_the_whole_batch(tok, 
             summed += sums.metrics
         return value, pl.metrics(summed, int(totals[0])), [p.grad.clone() for p in policy.parameters()]
 
-    whole = run([(0, 6)])
-    split = run([(0, 1), (1, 3), (3, 6)])
-    assert split[0] == pytest.approx(whole[0], abs=1e-6)
-    assert split[1] == pytest.approx(whole[1], abs=1e-5)
-    for a, b in zip(split[2], whole[2]):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert_splits_match_the_whole_batch(run)
 
 
 def test_loss_settings_are_checked_naming_the_key():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -79,3 +80,14 @@ def tiny_model(seed: int) -> LlamaForCausalLM:
     config = LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     return LlamaForCausalLM(config).float()
+
+
+def assert_splits_match_the_whole_batch(run) -> None:
+    """run(splits) -> (loss, metrics, gradients) of 6 pairs split into micro-batches [(start, end), ...]: split
+    into 1, 2 and 3 pairs (as ranks and accumulation would), they equal the whole batch's."""
+    whole = run([(0, 6)])
+    split = run([(0, 1), (1, 3), (3, 6)])
+    assert split[0] == pytest.approx(whole[0], abs=1e-6)
+    assert split[1] == pytest.approx(whole[1], abs=1e-5)
+    for a, b in zip(split[2], whole[2]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)

@@ -56,15 +56,22 @@ def trainer(name: str, records, tok, out: str):
 
 
 def grads(model) -> list[torch.Tensor]:
+    """Every parameter's gradient (then cleared, for the other side's backward)."""
     out = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     return out
 
 
-def main() -> int:
+def demo_pairs(pairs: int = PAIRS):
+    """The tokenizer, the first `pairs` demo records and llmtrain's collated batch of them."""
     tok = AutoTokenizer.from_pretrained(REPO / "assets" / "tokenizer")
-    records = [json.loads(line) for line in (REPO / "data" / "demo" / "preference.jsonl").open()][:PAIRS]
-    batch = collate_pairs([encode_preference(r, DataConfig(seq_len=128), tok) for r in records], tok.pad_token_id)
+    records = [json.loads(line) for line in (REPO / "data" / "demo" / "preference.jsonl").open()][:pairs]
+    return tok, records, collate_pairs([encode_preference(r, DataConfig(seq_len=128), tok) for r in records],
+                                       tok.pad_token_id)
+
+
+def main() -> int:
+    tok, records, batch = demo_pairs()
     ids, labels = batch["input_ids"], batch["labels"]
     # Right padding: a row's tokens are those up to its response's last (ORPO's NLL covers them all).
     at = torch.arange(ids.shape[1])
@@ -91,15 +98,20 @@ def main() -> int:
         mine_metrics = pl.metrics(sums.metrics, PAIRS, loss, int(counts[1]))
         if alpha == 0:
             mine_metrics["nll_loss"] = 0.0
-        d_loss = abs(mine.item() - theirs.item())
-        # relative to 1 or more: logps/* are summed log-probs near -80, where fp32 steps by 8e-6
-        d_metrics = max(abs(v - their_metrics[k]) / max(1.0, abs(v)) for k, v in mine_metrics.items())
-        d_grad = max((a - b).abs().max().item() for a, b in zip(my_grads, their_grads))
-        scale = max(b.abs().max().item() for b in their_grads)
-        print(f"{name:12s} loss {mine.item():.6f} (TRL {theirs.item():.6f}) |d| loss {d_loss:.1e}, "
-              f"{len(mine_metrics)} metrics {d_metrics:.1e} (relative), gradients {d_grad:.1e} (largest {scale:.1e})")
-        worst = max(worst, d_loss, d_metrics, d_grad)
+        worst = max(worst, compare(name, mine, theirs, mine_metrics, their_metrics, my_grads, their_grads))
     return 0 if worst < TOL else 1
+
+
+def compare(name: str, mine, theirs, mine_metrics: dict, their_metrics: dict, my_grads, their_grads) -> float:
+    """Prints the case's largest differences and returns the largest: the loss, each metric (relative to 1 or
+    more: logps/* are summed log-probs near -80, where fp32 steps by 8e-6) and every gradient."""
+    d_loss = abs(mine.item() - theirs.item())
+    d_metrics = max(abs(v - their_metrics[k]) / max(1.0, abs(v)) for k, v in mine_metrics.items())
+    d_grad = max((a - b).abs().max().item() for a, b in zip(my_grads, their_grads))
+    scale = max(b.abs().max().item() for b in their_grads)
+    print(f"{name:15s} loss {mine.item():.6f} (TRL {theirs.item():.6f}) |d| loss {d_loss:.1e}, "
+          f"{len(mine_metrics)} metrics {d_metrics:.1e} (relative), gradients {d_grad:.1e} (largest {scale:.1e})")
+    return max(d_loss, d_metrics, d_grad)
 
 
 if __name__ == "__main__":

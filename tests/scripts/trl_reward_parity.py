@@ -15,21 +15,17 @@ above 1e-6."""
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
-from pathlib import Path
 
 import torch
 from datasets import Dataset
-from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+from transformers import LlamaConfig, LlamaForSequenceClassification
 from trl import RewardConfig, RewardTrainer
+from trl_orpo_cpo_parity import compare, demo_pairs, grads  # this script's directory: sys.path[0]
 
-from llmtrain.config import DataConfig
-from llmtrain.data.preference import collate_pairs, encode_preference
 from llmtrain.losses import reward as rl
 
-REPO = Path(__file__).resolve().parents[2]
 PAIRS = 8
 TOL = 1e-6
 CASES = {"plain": (False, None), "margin": (True, None), "centred": (False, 0.01), "margin+centred": (True, 0.3)}
@@ -42,16 +38,8 @@ def tiny(pad_id: int) -> LlamaForSequenceClassification:
         num_key_value_heads=2, max_position_embeddings=128, num_labels=1, pad_token_id=pad_id))
 
 
-def grads(model) -> list[torch.Tensor]:
-    out = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    return out
-
-
 def main() -> int:
-    tok = AutoTokenizer.from_pretrained(REPO / "assets" / "tokenizer")
-    records = [json.loads(line) for line in (REPO / "data" / "demo" / "preference.jsonl").open()][:PAIRS]
-    batch = collate_pairs([encode_preference(r, DataConfig(seq_len=128), tok) for r in records], tok.pad_token_id)
+    tok, records, batch = demo_pairs(PAIRS)
     ids = batch["input_ids"]
     margin = torch.linspace(0.0, 1.5, PAIRS)
     worst = 0.0
@@ -75,12 +63,7 @@ def main() -> int:
             mine.backward()
             my_grads = grads(model)
         mine_metrics = rl.metrics(sums.sums, sums.extrema, PAIRS)
-        d_loss = abs(mine.item() - theirs.item())
-        d_metrics = max(abs(v - their_metrics[k]) for k, v in mine_metrics.items())
-        d_grad = max((a - b).abs().max().item() for a, b in zip(my_grads, their_grads))
-        print(f"{name:15s} loss {mine.item():.6f} (TRL {theirs.item():.6f}) |d| loss {d_loss:.1e}, "
-              f"{len(mine_metrics)} metrics {d_metrics:.1e}, gradients {d_grad:.1e}")
-        worst = max(worst, d_loss, d_metrics, d_grad)
+        worst = max(worst, compare(name, mine, theirs, mine_metrics, their_metrics, my_grads, their_grads))
     return 0 if worst < TOL else 1
 
 
