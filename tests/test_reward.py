@@ -252,6 +252,7 @@ def test_reward_resumes_exactly_from_two_ranks_on_one(tmp_path, reward_runs, bas
 def test_reward_bad_settings_name_the_key(tmp_path, base, run_setup):
     cases = {("data.format=text",): "data.format=preference",
              ("lora.enabled=true",): "lora.modules_to_save",
+             ("train.loss_impl=full",): "train.loss_impl=full: recipes/reward.py reads one score per row",
              ("model.path=outputs/nowhere/hf",): "recipes/finetune.py --config configs/demo.yaml",
              ("reward.center_rewards_coefficient=-1",): "reward.center_rewards_coefficient"}
     for i, overrides in enumerate(cases):

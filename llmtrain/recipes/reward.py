@@ -22,9 +22,9 @@ Reward-model training (Bradley-Terry, as TRL's RewardTrainer) with DDP, FSDP or 
   torchrun --nproc_per_node=N recipes/reward.py --config configs/demo-reward.yaml [key.sub=value ...]
 
 The data are pairs (data.format: preference): {"prompt", "chosen", "rejected"} as text, or as lists of
-messages. model.path is the body to start from (a causal LM or a reward model; configs/demo-reward.yaml starts
-from the SFT demo's export, outputs/demo/hf); its score head (transformers' sequence-classification class for
-the family, one label) reads the last token that is not padding; over a causal LM it starts seeded. With
+messages. model.path is the causal LM whose body the reward model starts from (configs/demo-reward.yaml
+starts from the SFT demo's export, outputs/demo/hf); its score head (transformers' sequence-classification
+class for the family, one label) starts seeded and reads the last token that is not padding. With
 lora.enabled, add score to lora.modules_to_save so the head trains with the adapters.
 
 Writes to output_dir what recipes/finetune.py writes (hf/ loads with AutoModelForSequenceClassification);
@@ -65,6 +65,9 @@ class Reward(Recipe):
         if cfg.lora.enabled and "score" not in cfg.lora.modules_to_save:
             raise ConfigError("lora.modules_to_save: a reward model's score head starts untrained, so it must train "
                               "with the adapters; add score (lora.modules_to_save=[score])")
+        if cfg.train.loss_impl != "chunked":
+            raise ConfigError(f"train.loss_impl={cfg.train.loss_impl}: recipes/reward.py reads one score per row and "
+                              "no token logits, so the token loss's implementation does not apply; leave it unset")
 
     def setup(self, run, built) -> None:
         super().setup(run, built)
