@@ -1,4 +1,4 @@
-"""`reward` (python bench/run.py --only reward): recipes/reward.py vs TRL's RewardTrainer (bench/trl_reward.py,
+"""`reward` (python bench/run.py --only reward): recipes/reward.py vs TRL's RewardTrainer (bench/baselines/trl_reward.py,
 TRL's venv) from one causal-LM directory of llama-32k's shape on data/demo/preference.jsonl
 (bench/configs/llama-32k-reward.yaml: ddp, 2 ranks, full fine-tuning, centring on): pairs/s (both sides train on
 the same pairs per step) and peak memory per rank, --pairs pairs. Target >= 2x pairs/s, memory <= TRL's."""
@@ -31,7 +31,7 @@ def bench(ctx: Ctx) -> dict:
     work = ctx.dir("reward")
     ours = [pairs_per_sec([r["elapsed_s"] for r in train_records(Path(work / f"recipe_{i}"))], per_step, warmup)
             for i in range(len(runs))]
-    theirs = [b["useful_tokens_per_sec"] for _, b in runs]  # bench/trl_reward.py counts pairs
+    theirs = [b["useful_tokens_per_sec"] for _, b in runs]  # bench/baselines/trl_reward.py counts pairs
     speed = [a / b for a, b in zip(ours, theirs)]
     mem = [a["mem"] / (b["peak_rss_bytes"] / 2**30) for a, b in runs]
     rows = [f"| pair {i + 1} ({pair_order(i)}) | {a:,.2f} | {b:,.2f} | {s:.2f} | {run[0]['mem']:.2f} / "

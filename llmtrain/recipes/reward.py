@@ -72,7 +72,6 @@ class Reward(Recipe):
     def setup(self, run, built) -> None:
         super().setup(run, built)
         self.built, self.section, self.objective = built, run.cfg.reward, self
-        self.extrema = None  # [max, -min] reward of this rank's micro-batches this step
 
     # -- the objective: sums over a micro-batch's pairs / global pairs ---------------------------------
     def counts(self, batch: dict) -> torch.Tensor:
@@ -80,13 +79,11 @@ class Reward(Recipe):
 
     def share(self, model, batch: dict, totals: torch.Tensor) -> Share:
         sums = rl.reward_sums(scores(model, batch), batch.get("margin"), self.section.center_rewards_coefficient)
-        self.extrema = sums.extrema if self.extrema is None else torch.maximum(self.extrema, sums.extrema)
         part = sums.loss / totals[1]
-        return Share(part, torch.cat([part.detach().reshape(1), sums.sums]))
+        return Share(part, torch.cat([part.detach().reshape(1), sums.sums]), maxima=sums.extrema)
 
     def report(self, metrics: torch.Tensor, totals: torch.Tensor) -> tuple[float, dict]:
-        extrema, self.extrema = rl.global_extrema(self.extrema), None
-        return metrics[0].item(), rl.metrics(metrics[1:], extrema, int(totals[1]))
+        return metrics[0].item(), rl.metrics(metrics[1:-2], metrics[-2:], int(totals[1]))  # maxima: [max, -min]
 
     def evaluate(self, at_step: int) -> dict:
         run, cfg = self.run, self.run.cfg

@@ -5,7 +5,7 @@ config's reward.center_rewards_coefficient, full fine-tuning, fp32. TRL defaults
 changes from TrainingArguments and that would make the comparison unequal: gradient checkpointing and bf16, both
 on in TRL, off here as in the recipe. Runs in TRL's own virtual environment (bench/run.py's trl_python).
 
-    torchrun --standalone --nproc_per_node=2 bench/trl_reward.py --config REWARD.yaml \
+    torchrun --standalone --nproc_per_node=2 bench/baselines/trl_reward.py --config REWARD.yaml \
         --data data/demo/preference.jsonl --steps 30 --warmup 5 --output-dir DIR --out result.json
 
 Counting, timing and the output JSON are bench/hf_trainer.py's; "trained" here counts pairs (half the rows of a
