@@ -204,8 +204,8 @@ def test_on_policy_refusals_are_one_line_before_any_process_group(tmp_path, smal
     on = (*ROWS, "distill.on_policy_fraction=0.5")
     cases = {
         ("distill.on_policy_fraction=1.5",): "error: distill.on_policy_fraction",
-        (*on, f"distill.teacher_logits={tmp_path / 'store'}"): "error: distill.teacher_logits: an offline teacher has no "
-                                                     "log-probs for the tokens the student samples",
+        (*on, f"distill.teacher_logits={tmp_path / 'store'}"):
+            "error: distill.teacher_logits: an offline teacher has no log-probs for the tokens the student samples",
         ("distill.on_policy_fraction=1",): "error: data.format: text rows have no prompt",
         (*on, "data.train_on_prompt=true"): "error: data.train_on_prompt: rows that train their prompt",
         (*on, "data.packing=true"): "error: data.packing: a packed row holds several examples",
