@@ -93,7 +93,7 @@ class TokenizerConfig:
 
 
 # data.format's choices: the names of llmtrain.data.formats.FORMATS (config imports nothing of llmtrain, so the
-# names are repeated here; tests/test_formats.py checks the two agree).
+# names are repeated here; tests/data/test_formats.py checks the two agree).
 FormatName = Literal["text", "instruction", "chat", "preference", "prompt"]
 
 

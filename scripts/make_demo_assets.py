@@ -17,7 +17,7 @@ The text is synthetic English about a tiny fixed "world" (people, places, object
 numbers). Facts are fixed (the ball is always the same colour, arithmetic is always right), so
 even a 2-layer model has something to learn beyond sentence templates and its loss falls fast.
 Everything derives from SEED and the output is byte-for-byte reproducible;
-tests/test_demo_assets.py regenerates into a temp dir and compares with the shipped files.
+tests/repo/test_demo_assets.py regenerates into a temp dir and compares with the shipped files.
 """
 
 import argparse

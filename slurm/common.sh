@@ -20,7 +20,7 @@ llmtrain_die() { echo "[llmtrain] error: $*" >&2; exit 2; }
 llmtrain_log() { echo "[llmtrain $(date +%H:%M:%S)] $*"; }
 
 # What recipes/finetune.py exits with after its preemption checkpoint (llmtrain.distributed.
-# PREEMPTED_EXIT_CODE; tests/test_slurm_cluster.py checks they agree). torchrun does not pass it
+# PREEMPTED_EXIT_CODE; tests/run/test_slurm_cluster.py checks they agree). torchrun does not pass it
 # through (it exits 1), so this shell exits with it itself when preempted outside Slurm.
 PREEMPT_EXIT_CODE=42
 

@@ -68,7 +68,7 @@ def run_setup(monkeypatch, capfd):
     """run_setup(script, *args, world_size=1) -> (exit code, stdout, stderr): the script run in this process
     as `python script args` runs it (sys.argv, its __main__ block, exit code through distributed.hard_exit),
     as rank 0 of `world_size` would (WORLD_SIZE), for set-up errors: it must stop before its process group. A
-    real launch costs seconds of start-up per case; tests/test_config.py keeps one real 2-rank launch."""
+    real launch costs seconds of start-up per case; tests/config/test_config.py keeps one real 2-rank launch."""
     import runpy
     import sys
 

@@ -1,7 +1,7 @@
 """rollout.engine=vllm: vLLM colocated in the training processes (TRL's vllm_mode="colocate"), and its glue: the
 requests for the keyed rows of llmtrain.rollout.local.generate (vllm_requests) and their answers read back as
 Completions with the sampled tokens' log-probs (from_vllm). vllm is imported when a VLLMEngine is built, so this
-module and its tests run without it (tests/test_grpo_vllm.py: a fake vllm module).
+module and its tests run without it (tests/rollout/test_grpo_vllm.py: a fake vllm module).
 
 What VLLMEngine follows: vLLM 0.10.2 / 0.11 (the versions TRL 0.24-0.26 pin) as TRL v0.24.0's
 trl/trainer/grpo_trainer.py uses it (GRPOTrainer.__init__'s colocated LLM, _move_model_to_vllm, the colocate

@@ -15,7 +15,7 @@ vllm_mode="server"); the trainer keeps the loss, the rewards and the optimizer. 
     server worker (--worker-extension-cls): the dtype of its weights (what a push sends and the fingerprint is
     taken in) and its fingerprint of the weights it samples with.
 The NCCL side is vLLM's trainer side (NcclTransport: vllm imported when the engine is built, TRL's switch at vLLM
-0.28); the engine takes any Transport (tests/test_grpo_vllm_server.py: gloo, against a fake server).
+0.28); the engine takes any Transport (tests/rollout/test_grpo_vllm_server.py: gloo, against a fake server).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ def command(args: list, nproc: int = 1, torchrun: bool | None = None,
             torchrun_args: tuple[str, ...] = ()) -> list[str]:
     """`args` (a script or -m module and its arguments) under torchrun with nproc processes, or plain python.
     torchrun=None: torchrun for several processes or torchrun_args, plain python for one (the same run, as
-    tests/test_features.py checks, without the launcher's ~3 s of CPU)."""
+    tests/train/test_features.py checks, without the launcher's ~3 s of CPU)."""
     if torchrun is None:
         torchrun = nproc > 1 or bool(torchrun_args)
     if torchrun:

@@ -1,4 +1,4 @@
-"""The distillation tests' set-up (tests/test_distill.py, tests/test_distill_on_policy.py): the tiny reference
+"""The distillation tests' set-up (tests/distill/test_distill.py, test_distill_on_policy.py): the tiny reference
 run's export as the teacher, a smaller inline student of the same tokenizer, the KD settings, and the per-token
 divergence computed from whole logits as TRL writes it."""
 

@@ -1,4 +1,4 @@
-"""What the engine tests share (tests/test_grpo_engines.py, tests/test_grpo_vllm.py): the weight-sync check of an
+"""What the engine tests share (tests/rollout/test_grpo_engines.py, test_grpo_vllm.py): the weight-sync check of an
 engine's copy after an update it did not get."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The tested model families: a tiny random model per family, built from its transformers config and saved
 with save_pretrained next to a tokenizer (the bundled one plus the family's chat tokens and its published
-chat template). Used by tests/test_families.py and tests/scripts/family_matrix.py."""
+chat template). Used by tests/models/test_families.py and tests/scripts/family_matrix.py."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ code, atexit), or nproc of them as the ranks torchrun --standalone would start (
 torchrun does, and passes SIGTERM / SIGINT on). helpers/launcher.py's spawn uses it for a recipe or `-m
 llmtrain.X` launched with torchrun=None and no extra environment, under the environment the server imported
 under (anything an import reads at start-up, e.g. HF_DATASETS_CACHE, would be stale otherwise: a test that
-changed it gets a new server); a test of torchrun's own part asks for torchrun=True. tests/test_features.py
+changed it gets a new server); a test of torchrun's own part asks for torchrun=True. tests/train/test_features.py
 checks that a forked run equals a fresh process and torchrun's ranks. The run (one process) or the monitor
 (ranks) leads a session of its own (a timeout kills the group, as for a fresh process); output goes to pipes
 created by the caller, passed over the server's Unix socket.

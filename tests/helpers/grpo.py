@@ -1,4 +1,4 @@
-"""The GRPO runs' shared set-up (tests/test_grpo_recipe.py, test_grpo_engine_runs.py, test_keyed_dropout.py): a
+"""The GRPO runs' shared set-up (tests/grpo/test_grpo_recipe.py, test_grpo_engine_runs.py, test_keyed_dropout.py): a
 tiny Llama on data/demo/prompts.jsonl, 3 prompts x 4 completions a step, and reward functions in a file."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The tiny heads of tests/test_loss.py and tests/test_grpo_loss.py: models of three families (tied, untied,
+"""The tiny heads of tests/train/test_loss.py and tests/grpo/test_grpo_loss.py: models of three families (tied, untied,
 Gemma 2's soft-capped logits) behind a plain or a wrapped output layer, one batch with a prompt, an empty row
 and padding, and the loss-and-gradients probe."""
 

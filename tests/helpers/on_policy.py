@@ -1,5 +1,5 @@
-"""The on-policy distillation runs' shared set-up (tests/test_distill_on_policy.py,
-tests/test_distill_on_policy_engines.py): instruction rows whose completions fill the tiny models' positions, the
+"""The on-policy distillation runs' shared set-up (tests/distill/test_distill_on_policy.py,
+test_distill_on_policy_engines.py): instruction rows whose completions fill the tiny models' positions, the
 sampling settings, the 2-rank fsdp2-with-accumulation layout and the completion metrics every on-policy step logs."""
 
 from __future__ import annotations

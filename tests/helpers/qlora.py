@@ -1,4 +1,4 @@
-"""The QLoRA model of tests/test_qlora.py and its workers (tests/scripts/qlora_ranks.py, qlora_memory.py): its
+"""The QLoRA model of tests/models/test_qlora.py and its workers (tests/scripts/qlora_ranks.py, qlora_memory.py): its
 shapes, built as the recipes build it, stepped, and its dequantized base."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What the vLLM engine tests share (tests/test_grpo_vllm.py, tests/test_grpo_vllm_server.py): a trainer Llama with
+"""What the vLLM engine tests share (tests/rollout/test_grpo_vllm.py, test_grpo_vllm_server.py): a trainer Llama with
 GQA and tied embeddings, vLLM's layout of it (FakeVLLMModel: fused q/k/v and gate/up, a padded vocabulary, its
 loader by Hugging Face names), and a fake vLLM server (FakeServer: the HTTP routes VLLMServerEngine calls, weights
 received over a gloo group, llmtrain's worker extension run on FakeVLLMModel)."""

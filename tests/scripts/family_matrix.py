@@ -1,7 +1,7 @@
 """Every family x ddp/fsdp/fsdp2 in one process group, through the library functions the recipe calls
 (models.build.build_model -> the micro-batch accumulation -> export_hf), measured against
 transformers' from_pretrained of the same directory. Rank 0 writes the numbers as JSON for
-tests/test_families.py to assert on.  Usage: torchrun --nproc_per_node=2 family_matrix.py ROOT OUT.json
+tests/models/test_families.py to assert on.  Usage: torchrun --nproc_per_node=2 family_matrix.py ROOT OUT.json
 (ROOT/<family> are directories made by tests/helpers/families.py)."""
 
 import json

@@ -1,4 +1,4 @@
-"""tests/test_qlora.py's memory worker, one process per mode (ru_maxrss is per process): build the 51M model
+"""tests/models/test_qlora.py's memory worker, one process per mode (ru_maxrss is per process): build the 51M model
 (tests/helpers/qlora.py's BIG) with LoRA on a base quantized as MODE (none or nf4); write the peak and current
 RSS and the base's bytes as JSON.  Usage: python qlora_memory.py MODE OUT.json"""
 

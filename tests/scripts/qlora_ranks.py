@@ -1,4 +1,4 @@
-"""tests/test_qlora.py's 2-rank worker: fsdp2 and ddp (and fsdp2 with bf16 compute, and fsdp2 on rows that do not
+"""tests/models/test_qlora.py's 2-rank worker: fsdp2 and ddp (and fsdp2 with bf16 compute, and fsdp2 on rows that do not
 split), each built as the recipes build it (tests/helpers/qlora.py), stepped, and its dequantized base gathered;
 rank 0 saves them (torch.save).  Usage: torchrun --nproc_per_node=2 qlora_ranks.py OUT.pt"""
 

@@ -12,7 +12,7 @@ the unmasked positions' rows a chunk at a time (the student's "output layer" is 
 hidden states are its logits) and returns a sum, divided here by the same count. Prints, per loss (TRL's beta
 0, 0.5, 0.9 and 1) x temperature, both losses and the largest |difference| of the loss and of the gradient
 w.r.t. the student's logits; exits non-zero above 1e-5. TRL has no top-k teacher: top_k is not compared here
-(tests/test_distill_loss.py checks it against a full-logits computation)."""
+(tests/distill/test_distill_loss.py checks it against a full-logits computation)."""
 
 from __future__ import annotations
 

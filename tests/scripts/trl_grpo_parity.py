@@ -17,7 +17,7 @@ LM head (logits / temperature) and its loss and metrics; llmtrain with TokenLoss
 temperature) and llmtrain.losses.policy. Prints, per loss_type x beta x num_iterations, the loss and the
 largest |difference| over the loss, the per-token log-probs, the metrics (kl, clip_ratio/low_mean,
 high_mean, region_mean, low_min, high_max) and every parameter's gradient; exits non-zero above 1e-5.
-(The advantages come in as inputs: their formula is checked against numpy in tests/test_grpo_loss.py.)"""
+(The advantages come in as inputs: their formula is checked against numpy in tests/grpo/test_grpo_loss.py.)"""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Stand-in for recipes/finetune.py in the Slurm template tests (launched by torchrun via LLMTRAIN_RECIPE):
 it reports what the templates hand the recipe (environment, config path, overrides) without the cost of
-a training run. tests/test_slurm_cluster.py runs the real recipe too (training, preemption and requeue).
+a training run. tests/run/test_slurm_cluster.py runs the real recipe too (training, preemption and requeue).
 
     echo_rank.py --config PATH [key=value ...]
 

@@ -35,7 +35,7 @@ def manager(out, model, opt) -> checkpoint.CheckpointManager:
 
 
 def test_registered_state_is_saved_verified_and_resumed(tmp_path, single_process_group, monkeypatch):
-    monkeypatch.chdir(checkpoint.Path(__file__).resolve().parents[1])
+    monkeypatch.chdir(checkpoint.Path(__file__).resolve().parents[2])
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.AdamW(model.parameters())
     saver = manager(tmp_path, model, opt)

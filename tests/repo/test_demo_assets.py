@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER_DIR = ROOT / "assets" / "tokenizer"
 DATA_DIR = ROOT / "data" / "demo"
 SPECIALS = {"<|begin_of_text|>": 0, "<|end_of_text|>": 1, "<|pad|>": 2,

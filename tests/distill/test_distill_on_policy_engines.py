@@ -2,7 +2,7 @@
 section: rollout.engine=transformers on 2 ranks (fsdp2 with accumulation: the student's full weights gathered and
 pushed into every rank's copy, fingerprint-checked, before each on-policy step) trains, and the engine's log-probs
 of the sampled tokens match the student's own (logged as GRPO's drift guard logs them, sampling/logprob_diff/*)
-within GRPO's tolerance for this engine (tests/test_grpo_engine_runs.py)."""
+within GRPO's tolerance for this engine (tests/grpo/test_grpo_engine_runs.py)."""
 
 from __future__ import annotations
 

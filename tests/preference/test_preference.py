@@ -228,7 +228,7 @@ def test_any_split_gives_the_loss_metrics_and_gradients_of_the_whole_batch(tok, 
 
 
 def test_loss_settings_are_checked_naming_the_key():
-    """Combinations of dpo.* keys; each key's range is load_config's (tests/test_config.py)."""
+    """Combinations of dpo.* keys; each key's range is load_config's (tests/config/test_config.py)."""
     pl.check_settings("simpo", 0.1, 0.5, False)
     pl.check_settings("ipo", 0.0, 0.0, True)
     with pytest.raises(ConfigError, match="dpo.loss"):  # a choice of the Literal: load_config's

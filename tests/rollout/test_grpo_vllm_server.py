@@ -202,9 +202,15 @@ def test_the_recipe_checks_the_server_url_at_set_up(monkeypatch, tmp_path, engin
 
 
 def test_a_well_formed_url_on_cuda_with_vllm_is_taken(monkeypatch):
+    """Each URL passes the URL check: on CUDA (vllm found) check_engine raises nothing, and on CPU the one refusal
+    left is the device's, not the URL's."""
     monkeypatch.setattr(rollout_section, "find_spec", lambda name: object())
     for url in ("http://host:8000", "https://10.0.0.7:8000/", "http://gpu-node"):
-        rollout_section.check_engine(RolloutSection(engine="vllm", vllm_server_url=url), True)
+        section = RolloutSection(engine="vllm", vllm_server_url=url)
+        assert rollout_section.check_engine(section, True) is None
+        with pytest.raises(ConfigError) as e:
+            rollout_section.check_engine(section, False)
+        assert one_line(e).startswith("rollout.engine: vllm runs on CUDA GPUs only"), url
 
 
 def test_the_server_url_picks_the_server_engine(monkeypatch):

@@ -1,4 +1,4 @@
-"""Which chat template the chat formats render with (issue 25 §3): data.chat_template (Jinja text, a .jinja file or
+"""Which chat template the chat formats render with: data.chat_template (Jinja text, a .jinja file or
 a .json file) chooses it; a tokenizer without one gets llmtrain's default, said at start-up with what it means."""
 
 from __future__ import annotations

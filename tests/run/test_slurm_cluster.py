@@ -26,7 +26,7 @@ from helpers.procs import TWO_RANKS, finish, losses, losses_by_step, start
 from llmtrain.checkpoint import complete_checkpoints
 from llmtrain.distributed import PREEMPTED_EXIT_CODE
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("llmtrain_slurm_cluster", REPO / "tests" / "slurm" / "cluster.py")
 cluster_mod = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = cluster_mod  # dataclasses look the module up by name

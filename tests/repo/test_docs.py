@@ -330,7 +330,7 @@ def test_the_command_check_derives_what_each_step_writes_and_reads():
 
 def test_lists_of_configs_and_benchmarks_are_whole():
     """models.md's table names every config; bench/README.md counts the benchmarks bench/run.py runs and its
-    --only list names each (issue 32 §13)."""
+    --only list names each."""
     table = set(re.findall(r"^\| `(configs/[^`]+\.yaml)` \|", text(REPO / "docs" / "models.md"), re.MULTILINE))
     assert table == {rel(p) for p in (REPO / "configs").glob("*.yaml")}
     names = re.search(r"^NAMES = \[(.+?)\]$", text(REPO / "bench" / "run.py"), re.MULTILINE | re.DOTALL).group(1)
@@ -348,7 +348,7 @@ def test_the_first_sentence_names_every_recipe():
 
 
 def test_curve_figures_are_what_the_script_prints():
-    """scripts/curve_figures.py makes the demo figures docs/grpo.md quotes (issue 32 §13): window means, the
+    """scripts/curve_figures.py makes the demo figures docs/grpo.md quotes: window means, the
     first and last windows with their ends; a resumed run's repeated step counts once, its last record."""
     spec = importlib.util.spec_from_file_location("curve_figures", REPO / "scripts" / "curve_figures.py")
     curve = importlib.util.module_from_spec(spec)
@@ -380,7 +380,7 @@ def commands(md):
 
 def test_commands_that_train_the_demo_config_leave_outputs_demo_to_the_demo():
     """The pages after the demo start from outputs/demo/hf: every other command that trains configs/demo.yaml
-    names its own output_dir (else it resumes the finished demo and exports it again, issue 44 item 7), and a
+    names its own output_dir (else it resumes the finished demo and exports it again), and a
     command with placeholders (N processes, [key.sub=value ...]) is marked as a template."""
     for path in DOCS:
         for comment, cmd in commands(text(path)):

@@ -1,4 +1,4 @@
-"""recipes/grpo.py with rollout.engine=transformers end to end (tests/test_grpo_recipe.py's tiny Llama, prompts and
+"""recipes/grpo.py with rollout.engine=transformers end to end (tests/grpo/test_grpo_recipe.py's tiny Llama, prompts and
 length reward): one process (LoRA: the engine samples the merged weights) and 2 ranks under ddp and fsdp2 train
 with finite rewards and losses and log the drift guard with the engine's log-probs within 1e-5 nats of the
 trainer's (fp32, no top-k / top-p), ddp and fsdp2 (the same rows per rank) sampling the same completions and

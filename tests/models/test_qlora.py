@@ -192,7 +192,7 @@ def test_quantizing_after_loading_does_not_raise_the_host_peak(tmp_path):
 # linear is quantized, and its fsdp2 halves on 2 ranks too). One side-by-side launch serves the tests below.
 TOL = 2e-5  # the parity tolerance of the LoRA tests
 NF4 = "lora.quantize_base=nf4"
-PAIRS = Path(__file__).resolve().parents[1] / "data" / "demo" / "preference.jsonl"
+PAIRS = Path(__file__).resolve().parents[2] / "data" / "demo" / "preference.jsonl"
 DPO_ARGS = ("data.format=preference", "train.max_steps=3", "dpo.loss=sigmoid", "dpo.beta=0.5")
 BF16 = ("parallel.strategy=fsdp2", "parallel.mixed_precision=bf16", "lora.base_dtype=bf16",
         "train.micro_batch_size=2", "train.max_steps=8")

@@ -144,7 +144,7 @@ def test_converter_matches_the_export(tmp_path, fsdp2_run):
     assert converted.keys() == exported.keys()
     for name, tensor in exported.items():
         assert torch.equal(converted[name], tensor), name
-    # An existing OUT is replaced only when asked (issue 32 §12), wholly: no fp32 shard is left beside the bf16 file.
+    # An existing OUT is replaced only when asked (--overwrite), wholly: no fp32 shard is left beside the bf16 file.
     bf16 = ["-m", "llmtrain.convert", fsdp2_run / "checkpoints" / "step_3", out, "--dtype", "bf16"]
     res = launch(bf16, torchrun=False, timeout=120)
     assert res.returncode == 2 and res.stderr.splitlines() == [f"error: {out} exists: pass --overwrite to replace it"]

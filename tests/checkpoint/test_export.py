@@ -36,7 +36,7 @@ def tree(root: Path) -> dict[str, bytes]:
 
 @pytest.mark.slow
 def test_convert_overwrite_replaces_only_a_previous_export(tmp_path, reference_run, capsys):
-    """issue 44 item 2: `--overwrite` never replaces the run, its checkpoints or the checkpoint read, nor a
+    """`python -m llmtrain.convert --overwrite` never replaces the run, its checkpoints or the checkpoint read, nor a
     directory that is not an export; one line, exit 2, nothing changed. A previous export (the run's hf/, or an
     OUT the converter wrote) is replaced."""
     run = tmp_path / "run"

@@ -7,7 +7,7 @@ import ast
 import re
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "llmtrain"
+PACKAGE = Path(__file__).resolve().parents[2] / "llmtrain"
 
 
 def module_graph() -> dict[str, set[str]]:
@@ -92,7 +92,7 @@ def test_test_modules_import_helpers_not_each_other():
     """What tests share lives in tests/helpers; a test module importing another drags in its fixtures and its
     module-level set-up."""
     tests = PACKAGE.parent / "tests"
-    names = {p.stem for p in tests.glob("test_*.py")}
+    names = {p.stem for p in tests.rglob("test_*.py")}
     found = [f"{path.relative_to(tests)}:{node.lineno}" for path in sorted(tests.rglob("*.py"))
              for node in ast.walk(ast.parse(path.read_text())) if imported(node) & names]
     assert found == []

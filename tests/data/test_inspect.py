@@ -1,4 +1,4 @@
-"""`python -m llmtrain.data` for every recipe (issue 25 §4, issue 32 §1): it takes any recipe's config (found by
+"""`python -m llmtrain.data` for every recipe: it takes any recipe's config (found by
 its own sections) and shows every rows kind's parts from the data registry (Rows.parts), with their trained spans,
 and a prompt's columns; every demo config is inspected; in process (no launch)."""
 

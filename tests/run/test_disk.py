@@ -1,4 +1,4 @@
-"""A full disk (issue 25 §2), on a real small filesystem: a 40 MiB tmpfs mounted by the test (root only). The
+"""A full disk, on a real small filesystem: a 40 MiB tmpfs mounted by the test (root only). The
 first line a user sees names the cause, the directory, the size and what is intact; the tracebacks go to
 output_dir/errors-rank<R>.log; a full disk at the final export never loses the weights silently: the export
 waits for space (and is written once there is some), or every rank ends with the same clear error."""
@@ -115,7 +115,7 @@ def test_final_export_on_a_full_disk_ends_with_the_same_clear_error_on_every_ran
     assert res.returncode == 1
     assert f"warning: output_dir {out} has 3.0 MiB free, but the run writes the export about 5.0 MiB" in res.stdout
     line = first_error(res.stderr)
-    # Where the weights are is said once (issue 32 §13): here no checkpoint holds them.
+    # Where the weights are is said once: here no checkpoint holds them.
     assert line == (f"error: no space left on device in {out}: the export hf (about 5.0 MiB) could not be written "
                     "(3.0 MiB free after waiting 0.05 minutes, checkpoint.export_wait_minutes); the partial hf.tmp "
                     "was removed; no checkpoint holds the trained weights: they are lost "

@@ -2,7 +2,7 @@
 shaped answers from an LLM.generate stand-in): one request per row with its key's seed, the sampling
 parameters and EOS ids as stop tokens; the answers read back as Completions with the sampled tokens' log-probs,
 cut after the first EOS, truncation flagged, and reproducible by key whatever the batch (the vLLM engine around
-this glue and rollout.engine's set-up checks: tests/test_grpo_vllm.py). The transformers engine (a real 1-rank gloo
+this glue and rollout.engine's set-up checks: test_grpo_vllm.py). The transformers engine (a real 1-rank gloo
 group): it samples with the weights pushed into it (export.hf_state of a trainer model), its log-probs are the
 trainer's filtered distribution's (temperature, top-k, top-p) to 1e-5, the same rows give the same completions;
 the weight-sync fingerprint (llmtrain.rollout.sync) of its copy equals the trainer's after a push, and one stale

@@ -1,4 +1,4 @@
-"""An output_dir that would spread a run over what a user keeps (issue 44 items 1 and 8): empty, the current, root
+"""An output_dir that would spread a run over what a user keeps: empty, the current, root
 or home directory, or one that is, lies inside or holds one of the run's inputs (each section declares its own:
 config.input_path) is refused in one line at set-up, before anything is written (run_setup: in process)."""
 
@@ -53,7 +53,7 @@ def test_an_output_dir_over_the_users_own_places_writes_nothing(tmp_path, monkey
 
 
 def test_distillation_into_the_teachers_parent_is_refused_naming_both(tmp_path, run_setup):
-    """The issue's case: teacher X/hf, output_dir=X would export the student over the teacher."""
+    """Teacher X/hf, output_dir=X would export the student over the teacher."""
     teacher = tmp_path / "X" / "hf"
     teacher.mkdir(parents=True)
     (teacher / "config.json").write_text("{}")

@@ -228,6 +228,7 @@ def test_help_config_into_a_pipe_closed_early_ends_quietly(monkeypatch):
     """`--help-config | head -3` (README): the reader closes the pipe after a few lines; the rest is dropped
     without a BrokenPipeError traceback, and nothing fails at exit's flush."""
     import os
+    import stat
     import sys
 
     from llmtrain.utils import print_piped
@@ -236,7 +237,9 @@ def test_help_config_into_a_pipe_closed_early_ends_quietly(monkeypatch):
     os.close(read)
     out = open(write, "w")
     monkeypatch.setattr(sys, "stdout", out)
-    print_piped("".join(f"{key}\n" for key, *_ in describe(DPOConfig)) * 200)  # past the pipe's buffer
+    assert stat.S_ISFIFO(os.fstat(write).st_mode)
+    print_piped("".join(f"{key}\n" for key, *_ in describe(DPOConfig)) * 200)  # past the pipe's buffer: no raise
+    assert os.path.samestat(os.fstat(write), os.stat(os.devnull))  # the rest of the output is dropped
     out.write("more")
     out.flush()  # goes to /dev/null now
     out.close()
