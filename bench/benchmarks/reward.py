@@ -1,7 +1,8 @@
 """`reward` (python bench/run.py --only reward): recipes/reward.py vs TRL's RewardTrainer
 (bench/baselines/trl_reward.py, TRL's venv) from one causal-LM directory of llama-32k's shape on
-data/demo/preference.jsonl (bench/configs/llama-32k-reward.yaml: ddp, 2 ranks, full fine-tuning, centring on): pairs/s (both sides train on
-the same pairs per step) and peak memory per rank, --pairs pairs. Target >= 2x pairs/s, memory <= TRL's."""
+data/demo/preference.jsonl (bench/configs/llama-32k-reward.yaml: ddp, 2 ranks, full fine-tuning, centring on):
+pairs/s (both sides train on the same pairs per step) and peak memory per rank, --pairs pairs. Target >= 2x
+pairs/s, memory <= TRL's."""
 
 from __future__ import annotations
 
