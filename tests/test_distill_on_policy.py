@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from helpers import REPO, TINY
 from helpers.distill import BETA, DISTILL, TEMPERATURE, TOP_K, distill_args, reference_kd, seeded_student
+from helpers.on_policy import COMPLETIONS, FSDP2_ACCUM, INSTRUCT, NEW, ROWS, SAMPLING_T, SEQ_LEN, on_policy_args
 from helpers.procs import read_metrics, run_side_by_side
 from llmtrain import data
 from llmtrain.config import DataConfig
@@ -28,14 +29,6 @@ from llmtrain.rollout.on_policy import on_policy
 from llmtrain.rollout.local import Sampling, generate
 
 TOL = 2e-5
-INSTRUCT = REPO / "data" / "demo" / "instruct.jsonl"
-SEQ_LEN, NEW, SAMPLING_T = 48, 16, 0.9  # 48 + 16 positions: the tiny models' max_position_embeddings
-# The random student rarely samples the tokenizer's EOS; 212, one of its likeliest tokens, as a second stop id of
-# its config ends about half its completions early, so that rows and micro-batches differ in length.
-ROWS = (f"data.path={INSTRUCT}", "data.format=instruction", f"data.seq_len={SEQ_LEN}",
-        f"distill.max_new_tokens={NEW}", f"distill.sampling_temperature={SAMPLING_T}",
-        "model.config.eos_token_id=[1,212]")
-FSDP2_ACCUM = ("parallel.strategy=fsdp2", "train.micro_batch_size=1", "train.grad_accum_steps=2")
 RUNS = {  # name: (ranks, on_policy_fraction, overrides); global batch 4 rows in each, train.seed 7
     "zero": (1, 0, ("parallel.strategy=none",)),
     "none": (1, 1, ("parallel.strategy=none",)),
@@ -46,18 +39,11 @@ RUNS = {  # name: (ranks, on_policy_fraction, overrides); global batch 4 rows in
     "half_fsdp2": (2, 0.5, (*FSDP2_ACCUM, "checkpoint.every_steps=2")),
 }
 HALF_FLAGS = [0, 1, 1, 0]  # on_policy(7, step, 0.5) for steps 0-3: uniforms 0.89, 0.28, 0.49, 0.96
-COMPLETIONS = ("completions/mean_length", "completions/min_length", "completions/max_length",
-               "completions/clipped_ratio")
-
-
-def args(teacher: Path, fraction: float, *extra: str) -> list[str]:
-    return distill_args(teacher, *ROWS, f"distill.on_policy_fraction={fraction}", *extra)
-
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, base) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("distill-on-policy")
-    results = run_side_by_side({name: (root / name, ranks, args(base, fraction, *extra), DISTILL)
+    results = run_side_by_side({name: (root / name, ranks, on_policy_args(base, fraction, *extra), DISTILL)
                                 for name, (ranks, fraction, extra) in RUNS.items()}, at_once=2)
     for name, res in results.items():
         (root / name / "stdout.log").write_text(res.stdout)
@@ -172,7 +158,7 @@ def test_on_policy_resumes_exactly_on_the_same_and_another_world_size(tmp_path, 
     for name, (source, *_) in resumes.items():
         (tmp_path / name / "checkpoints").mkdir(parents=True)
         shutil.copytree(runs[source] / "checkpoints" / "step_2", tmp_path / name / "checkpoints" / "step_2")
-    results = run_side_by_side({name: (tmp_path / name, ranks, args(base, fraction, *extra), DISTILL)
+    results = run_side_by_side({name: (tmp_path / name, ranks, on_policy_args(base, fraction, *extra), DISTILL)
                                 for name, (_, ranks, fraction, extra) in resumes.items()}, at_once=2)
     for name, (source, *_) in resumes.items():
         assert "resumed at step 2" in results[name].stdout, name
@@ -204,8 +190,8 @@ def test_on_policy_refusals_are_one_line_before_any_process_group(tmp_path, smal
     on = (*ROWS, "distill.on_policy_fraction=0.5")
     cases = {
         ("distill.on_policy_fraction=1.5",): "error: distill.on_policy_fraction",
-        (*on, f"distill.teacher_logits={tmp_path / 'store'}"): "error: distill.teacher_logits: an offline teacher has no "
-                                                     "log-probs for the tokens the student samples",
+        (*on, f"distill.teacher_logits={tmp_path / 'store'}"):
+            "error: distill.teacher_logits: an offline teacher has no log-probs for the tokens the student samples",
         ("distill.on_policy_fraction=1",): "error: data.format: text rows have no prompt",
         (*on, "data.train_on_prompt=true"): "error: data.train_on_prompt: rows that train their prompt",
         (*on, "data.packing=true"): "error: data.packing: a packed row holds several examples",

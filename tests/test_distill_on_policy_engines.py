@@ -11,14 +11,14 @@ import math
 import pytest
 
 from helpers.distill import DISTILL
+from helpers.on_policy import COMPLETIONS, FSDP2_ACCUM, on_policy_args
 from helpers.procs import read_metrics, run_recipe
-from test_distill_on_policy import COMPLETIONS, FSDP2_ACCUM, args
 
 
 @pytest.fixture(scope="module")
 def transformers_run(tmp_path_factory, base):
     out = tmp_path_factory.mktemp("distill-on-policy-engine") / "run"
-    run_recipe(out, *args(base, 1, *FSDP2_ACCUM, "rollout.engine=transformers"), nproc=2, script=DISTILL)
+    run_recipe(out, *on_policy_args(base, 1, *FSDP2_ACCUM, "rollout.engine=transformers"), nproc=2, script=DISTILL)
     return out
 
 

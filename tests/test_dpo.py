@@ -18,14 +18,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import RECIPE, REPO, TINY
+from helpers import RECIPE, TINY
+from helpers.pairs import DPO, PAIRS, dpo_args, first_batch, sequence_logps
 from helpers.procs import losses_by_step, read_metrics, run_recipe, run_side_by_side
-from llmtrain import data
-from llmtrain.config import DataConfig
-from llmtrain.models.hf import load_tokenizer
 
-DPO = REPO / "recipes" / "dpo.py"
-PAIRS = REPO / "data" / "demo" / "preference.jsonl"
 TOL = 2e-5
 # logps/* are sums over a response's tokens (about -80 here), where fp32 steps by 8e-6: 1e-5 absolute is 1-2 ulp,
 # so the metrics also pass within 1e-6 relative (the losses stay below 10: the absolute bound decides for them).
@@ -37,11 +33,6 @@ SIMPO = ("dpo.loss=simpo", "dpo.beta=2.0", "dpo.gamma=0.5", "dpo.label_smoothing
 PRECOMPUTE = "dpo.precompute_reference=true"
 LORA_IPO = ("dpo.loss=ipo", "dpo.beta=0.5", "lora.enabled=true", "lora.r=4", "lora.alpha=8", "lora.dropout=0",
             "train.max_steps=1")
-
-
-def dpo_args(base: Path, *extra: str) -> list[str]:
-    return ["model.config=null", f"model.path={base}", f"data.path={PAIRS}", "data.format=preference",
-            "train.max_steps=3", *extra]
 
 
 @pytest.fixture(scope="session")
@@ -89,25 +80,6 @@ def dpo_runs(tmp_path_factory, base, lora_init, val_pairs) -> dict[str, Path]:
     for name, res in results.items():
         (root / name / "stdout.log").write_text(res.stdout)
     return {name: root / name for name in runs}
-
-
-def first_batch(path: Path = PAIRS, pairs: int = 4) -> dict[str, torch.Tensor]:
-    """The first `pairs` pairs of `path` as the recipe collates them (one process, tiny.yaml's seed 7): by default
-    step 1's batch of 4."""
-    tokenizer = load_tokenizer(str(REPO / "assets" / "tokenizer"), False)
-    built = data.build(DataConfig(path=str(path), format="preference", seq_len=64), tokenizer, seed=7)
-    (batch,) = next(data.make_steps(built, pairs, 1, 1, 0, 7, torch.device("cpu"), {}))
-    return batch
-
-
-def sequence_logps(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed log-prob of each row's response tokens, and their count."""
-    with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits.float()
-    targets = batch["labels"][:, 1:]
-    mask = targets != -100
-    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
-    return (logp * mask).sum(1), mask.sum(1)
 
 
 def expected(loss: str, policy, reference, batch, beta: float, smoothing: float = 0.0, gamma: float = 0.0,

@@ -78,6 +78,7 @@ DEMO_DATA = {
     "demo-distill.yaml": ("tokens", "--- 3000 examples -> 1135 rows of 256 tokens; 286055 trained tokens; "
                                     "packing efficiency 99.9%; 0 truncated; 0 skipped"),
     "demo-dpo.yaml": ("pairs", "--- 1000 examples -> 1000 pairs; 20825 trained tokens; 0 truncated; 0 skipped"),
+    "demo-reward.yaml": ("pairs", "--- 900 examples -> 900 pairs; 18718 trained tokens; 0 truncated; 0 skipped"),
     "demo-grpo.yaml": ("prompts", "--- 128 examples -> 128 prompts; 0 trained tokens; 0 truncated; 0 skipped"),
 }
 

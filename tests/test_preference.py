@@ -5,13 +5,13 @@ out here, and one global-batch loss whatever the split into micro-batches."""
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer
 
 from helpers import REPO, TINY
+from helpers.pairs import assert_splits_match_the_whole_batch, logsig, plain_logps, random_batch, tiny_model
 from llmtrain.config import ConfigError, DataConfig, load_config
 from llmtrain.data.formats import DEFAULT_CHAT_TEMPLATE, IGNORE, BadRecord, prepare_tokenizer
 from llmtrain.data.preference import Pair, collate_pairs, encode_preference, truncate
@@ -147,36 +147,6 @@ def test_collate_puts_chosen_rows_then_rejected_rows():
 # ----------------------------------------------------------------------------- losses
 
 
-def random_batch(seed: int, pairs: int = 8, length: int = 12, vocab: int = 17):
-    """Logits of a policy and a reference, and labels with prompts, responses and padding of varied lengths."""
-    g = torch.Generator().manual_seed(seed)
-    labels = torch.full((2 * pairs, length), IGNORE)
-    for row in range(2 * pairs):
-        start = int(torch.randint(1, 5, (1,), generator=g))
-        end = int(torch.randint(start + 1, length + 1, (1,), generator=g))
-        labels[row, start:end] = torch.randint(0, vocab, (end - start,), generator=g)
-    return (torch.randn(2 * pairs, length, vocab, generator=g) * 2, torch.randn(2 * pairs, length, vocab, generator=g),
-            labels)
-
-
-def plain_logps(logits, labels) -> tuple[list[float], list[int]]:
-    """Per row: Σ over response tokens t of log softmax(logits[t-1])[token t], and the token count."""
-    sums, counts = [], []
-    for row in range(labels.shape[0]):
-        total, n = 0.0, 0
-        for t in range(1, labels.shape[1]):
-            if labels[row, t] != IGNORE:
-                total += torch.log_softmax(logits[row, t - 1].double(), -1)[labels[row, t]].item()
-                n += 1
-        sums.append(total)
-        counts.append(n)
-    return sums, counts
-
-
-def logsig(x: float) -> float:
-    return -math.log1p(math.exp(-x))
-
-
 def published(loss, beta, eps, gamma, pi, ref, n):
     """Per pair: (loss, chosen reward, rejected reward, logps/chosen, logps/rejected), from the papers."""
     out = []
@@ -228,13 +198,6 @@ def test_losses_and_metrics_equal_the_published_formulas(loss, beta, eps, gamma,
     assert 0 < want["rewards/accuracies"] < 1  # the batch exercises both outcomes
 
 
-def tiny_model(seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return LlamaForCausalLM(config).float()
-
-
 @pytest.mark.parametrize("loss, beta, eps, gamma, sft", [CASES[1], CASES[2], CASES[4]])
 def test_any_split_gives_the_loss_metrics_and_gradients_of_the_whole_batch(tok, loss, beta, eps, gamma, sft):
     """One batch of 6 pairs, then the same pairs as micro-batches of 1, 2 and 3 pairs (accumulated as
@@ -261,12 +224,7 @@ def test_any_split_gives_the_loss_metrics_and_gradients_of_the_whole_batch(tok, 
             summed += sums.metrics
         return value, pl.metrics(summed, int(totals[0])), [p.grad.clone() for p in policy.parameters()]
 
-    whole = run([(0, 6)])
-    split = run([(0, 1), (1, 3), (3, 6)])
-    assert split[0] == pytest.approx(whole[0], rel=1e-5, abs=1e-6)
-    assert split[1] == pytest.approx(whole[1], rel=1e-5, abs=1e-5)
-    for a, b in zip(split[2], whole[2]):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert_splits_match_the_whole_batch(run)
 
 
 def test_loss_settings_are_checked_naming_the_key():

@@ -16,8 +16,9 @@ top-k / top-p. A 1-rank process group (NCCL; gloo on CPU), as a 1-GPU training r
   transformers  ENGINES["transformers"]: continuous batching on its own fp32 copy
   vllm          ENGINES["vllm"]: vLLM colocated in this process (needs `pip install vllm`; skipped with the
                 set-up check's line when it is not importable or on CPU)
-Each engine gets the model's weights as recipes/grpo.py pushes them (export.hf_state, then update_weights and the
-weight-sync check, llmtrain.rollout.sync), one short warm-up call, then --repeats timed calls (median). Columns:
+Each engine is built from a rollout: section (RolloutSection, checked by llmtrain.rollout.section.check_engine) and
+gets the model's weights as recipes/grpo.py pushes them (llmtrain.rollout.sync.WeightSync: export.hf_state, then
+update_weights and the fingerprint check), one short warm-up call, then --repeats timed calls (median). Columns:
 generated tokens/s, its ratio to hf, seconds to build and push, mean |engine - model| log-prob of the sampled
 tokens (the drift guard's difference; the model's from one forward per row), mean completion length.
 """
@@ -44,10 +45,10 @@ import yaml  # noqa: E402
 from llmtrain.config import ConfigError  # noqa: E402
 from llmtrain.export import hf_state  # noqa: E402
 from llmtrain.parallelize import STRATEGIES  # noqa: E402
-from llmtrain.rollout import sync  # noqa: E402
-from llmtrain.rollout.engine import EngineSetup  # noqa: E402
-from llmtrain.rollout.local import Sampling  # noqa: E402
-from llmtrain.rollout.registry import ENGINES, check_engine  # noqa: E402
+from llmtrain.rollout.engine import EngineSetup, Sampling  # noqa: E402
+from llmtrain.rollout.registry import ENGINES  # noqa: E402
+from llmtrain.rollout.section import RolloutSection, check_engine  # noqa: E402
+from llmtrain.rollout.sync import WeightSync  # noqa: E402
 
 SEED, TARGET = 42, 5.0
 SMOKE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -76,15 +77,19 @@ def model_logps(model, prompts: list[list[int]], tokens: list[list[int]], device
     return out
 
 
-def pushed_engine(name: str, model, eos: list[int], pad: int, device: torch.device, setup: EngineSetup):
-    """ENGINES[name] on `model` with its weights pushed as recipes/grpo.py pushes them (export.hf_state, then
-    update_weights and the weight-sync check)."""
-    engine = ENGINES[name](model, model.config, contextlib.nullcontext, eos, pad, device, setup)
-    full = hf_state(model, STRATEGIES["none"], device) if engine.copies_weights else {}
-    engine.update_weights(0, full)
-    if engine.copies_weights:
-        trainer = sync.trainer_fingerprint(full, SEED, 0, engine.weights_dtype)
-        sync.check(trainer, engine.fingerprint(list(trainer)), 0, name)
+def engine_setup(model, eos: list[int], pad: int, device: torch.device, rows: list[list[int]], max_tokens: int,
+                 dtype: torch.dtype, workdir: str) -> EngineSetup:
+    """The EngineSetup llmtrain.rollout.registry.build makes in a run, for `model` outside one: no autocast (the
+    model is already in `dtype`), room for the longest row plus max_tokens, all rows in one call."""
+    return EngineSetup(model, model.config, contextlib.nullcontext, eos, pad, device, max(map(len, rows)) + max_tokens,
+                       len(rows), SEED, dtype, workdir)
+
+
+def pushed_engine(section: RolloutSection, setup: EngineSetup):
+    """ENGINES[section.engine] with the model's weights pushed as recipes/grpo.py pushes them (WeightSync.push:
+    export.hf_state, then update_weights and the fingerprint check)."""
+    engine = ENGINES[section.engine](section, setup)
+    WeightSync(engine, section.engine, SEED, lambda: hf_state(setup.model, STRATEGIES["none"], setup.device)).push(0)
     return engine
 
 
@@ -136,8 +141,7 @@ def main() -> int:
     prompts = [tok(json.loads(line)["prompt"])["input_ids"] for line in lines]
     rows = [q for q in prompts for _ in range(args.generations)]
     keys = [(SEED, 0, i // args.generations, i % args.generations) for i in range(len(rows))]
-    setup = EngineSetup(max(map(len, rows)) + args.length, len(rows), SEED, dtype, str(out_dir), args.vllm_memory,
-                        False)
+    setup = engine_setup(model, eos, pad, device, rows, args.length, dtype, str(out_dir))
     print(f"model: {sum(x.numel() for x in model.parameters()) / 1e9:.2f}B parameters, {dtype}, {device}; "
           f"{len(rows)} rows ({args.prompts} prompts x G {args.generations}), {args.length} tokens at most, "
           f"{args.repeats} timed call(s) each", flush=True)
@@ -148,8 +152,9 @@ def main() -> int:
             if name == "hf":
                 call = lambda n: hf_generate(model, rows, Sampling(n), eos, pad, device)  # noqa: E731
             else:
-                check_engine(name, cuda, None)
-                engine = pushed_engine(name, model, eos, pad, device, setup)
+                section = RolloutSection(engine=name, vllm_gpu_memory_utilization=args.vllm_memory)
+                check_engine(section, cuda)
+                engine = pushed_engine(section, setup)
 
                 def call(n, engine=engine):
                     done = engine.generate(rows, keys, Sampling(n))

@@ -191,7 +191,7 @@ def _token_columns(encoded: tuple[list[int], list[int]], fmt: Format, section: D
 
 def _pair_columns(pair: Pair, fmt: Format, section: DataConfig) -> dict:
     return {"prompt_ids": pair.prompt, "chosen_ids": pair.chosen, "rejected_ids": pair.rejected,
-            "truncated": pair.truncated}
+            "truncated": pair.truncated, "margin": pair.margin}
 
 
 PAIR_INDEX = "pair_index"
@@ -222,7 +222,7 @@ def _collate_prompts(rows: list[dict], pad_id: int) -> dict:
 def _collate_pair_rows(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     """Stored pairs (torch-formatted rows) -> collate_pairs' batch, with their pair_index when they have one."""
     batch = collate_pairs([Pair(r["prompt_ids"].tolist(), r["chosen_ids"].tolist(), r["rejected_ids"].tolist(),
-                                False) for r in rows], pad_id)
+                                False, float(r["margin"])) for r in rows], pad_id)
     return {**batch, PAIR_INDEX: torch.stack([r[PAIR_INDEX] for r in rows])} if PAIR_INDEX in rows[0] else batch
 
 
@@ -242,7 +242,8 @@ def _prompt_parts(row: dict) -> list[RowPart]:
 TOKENS = Rows("tokens", _token_columns, {"input_ids": [], "labels": [], "split": False, "truncated": False},
               packs=True, parts=lambda row: [RowPart("", list(map(int, row["input_ids"])),
                                                      list(map(int, row["labels"])))])
-PAIRS = Rows("pairs", _pair_columns, {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "truncated": False},
+PAIRS = Rows("pairs", _pair_columns, {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "truncated": False,
+                                      "margin": 0.0},
              packs=False, parts=_pair_parts, collate=_collate_pair_rows, index=PAIR_INDEX)
 PROMPTS = Rows("prompts", _prompt_columns, {"input_ids": [], "labels": [], "position_ids": [], "prompt_json": "null",
                                             "columns_json": "{}", "truncated": False},

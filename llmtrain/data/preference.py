@@ -18,6 +18,7 @@ then each response loses tokens from its end. A truncated pair is kept and count
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -32,6 +33,7 @@ class Pair(NamedTuple):
     chosen: list[int]
     rejected: list[int]
     truncated: bool
+    margin: float = 0.0  # the optional "margin" column (a reward model's target gap, TRL's), 0 without one
 
 
 def encode_preference(record: dict, section: DataConfig, tokenizer) -> Pair:
@@ -47,7 +49,14 @@ def encode_preference(record: dict, section: DataConfig, tokenizer) -> Pair:
         raise BadRecord("the prompt has no tokens: nothing to condition the responses on")
     if chosen == rejected:
         raise BadRecord("chosen and rejected are identical")
-    return truncate(prompt, chosen, rejected, section.seq_len, tokenizer.bos_token_id)
+    return truncate(prompt, chosen, rejected, section.seq_len, tokenizer.bos_token_id)._replace(margin=_margin(record))
+
+
+def _margin(record: dict) -> float:
+    value = record.get("margin", 0.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise BadRecord(f"field 'margin' is {value!r}, not a finite number")
+    return float(value)
 
 
 def _text_ids(record: dict, tokenizer) -> tuple[list[int], list[int], list[int]]:
@@ -134,4 +143,5 @@ def collate_pairs(pairs: list[Pair], pad_id: int) -> dict[str, torch.Tensor]:
         input_ids[row, :len(ids)] = ids
         labels[row, len(prompt):len(ids)] = ids[len(prompt):]
     return {"input_ids": input_ids, "labels": labels,
-            "position_ids": torch.arange(length).repeat(len(sequences), 1)}
+            "position_ids": torch.arange(length).repeat(len(sequences), 1),
+            "margin": torch.tensor([p.margin for p in pairs], dtype=torch.float32)}

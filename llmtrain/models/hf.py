@@ -20,8 +20,10 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor, distribute_tensor
 from accelerate import init_empty_weights
 from safetensors import SafetensorError, safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PretrainedConfig
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+                          LlamaConfig, PretrainedConfig)
+from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
 
 from llmtrain.config import ConfigError, ModelConfig, suggest
 from llmtrain.models import attention
@@ -32,6 +34,9 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 WEIGHTS_FILE = "model.safetensors"
 # config.json "architectures" that are causal LMs (transformers' naming: LlamaForCausalLM, GPT2LMHeadModel).
 CAUSAL_LM_CLASS = re.compile(r"(ForCausalLM|LMHeadModel)$")
+# AutoModelForSequenceClassification's head (recipes/reward.py): absent from a causal LM's weights, so a reward
+# model started from one gets it initialized (seeded, as transformers' _init_weights: normal, initializer_range).
+SCORE_HEAD = "score.weight"
 
 
 def check_paths(section: ModelConfig, tokenizer_path: str | None) -> None:
@@ -195,6 +200,26 @@ def load_model_config(section: ModelConfig, tokenizer) -> PretrainedConfig:
     return config
 
 
+def as_score_model(config: PretrainedConfig, tokenizer) -> PretrainedConfig:
+    """The config of a one-score sequence classifier on the same body (a Bradley-Terry reward model):
+    transformers' class for the family, num_labels 1, the score read at the last token that is not the
+    tokenizer's pad (what the recipes' collate pads with)."""
+    if config.model_type not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES:
+        raise ConfigError(f"model.path: transformers has no sequence-classification class for model_type "
+                          f"{config.model_type!r}, so it cannot carry a reward head")
+    config.architectures = [MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES[config.model_type]]
+    config.num_labels = 1
+    config.pad_token_id = tokenizer.pad_token_id
+    return config
+
+
+def model_class(config: PretrainedConfig):
+    """The transformers auto class a config is built with: a sequence classifier's (as_score_model) or a causal LM's."""
+    archs = config.architectures or []
+    return AutoModelForSequenceClassification if any(a.endswith("ForSequenceClassification") for a in archs) \
+        else AutoModelForCausalLM
+
+
 def end_of_turn_ids(tokenizer) -> list[int]:
     """The special token(s) the tokenizer's chat template writes right after an assistant message (Llama 3's
     <|eot_id|>, ChatML's <|im_end|>, Gemma's <end_of_turn>), [] without a template or when the template ends
@@ -222,8 +247,8 @@ def build_meta_model(config: PretrainedConfig, section: ModelConfig) -> nn.Modul
     and materialize() keeps these values (a meta build would leave them as garbage after to_empty)."""
     with init_empty_weights(include_buffers=False):
         # The attention implementation comes with the config (load_model_config set it).
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=section.trust_remote_code,
-                                                 dtype=torch.float32)
+        model = model_class(config).from_config(config, trust_remote_code=section.trust_remote_code,
+                                                dtype=torch.float32)
     model.tie_weights()  # init_empty_weights re-creates each parameter on meta, which unties them
     return model
 
@@ -260,7 +285,17 @@ def _weight_files(path: Path) -> dict[str, Path]:
 def _random_init(config: PretrainedConfig, seed: int) -> dict[str, torch.Tensor]:
     """model.config: the seeded init, made on rank 0 only (the same for any strategy and world size)."""
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).state_dict()
+    return model_class(config).from_config(config, dtype=torch.float32).state_dict()
+
+
+def _fresh_heads(names, files: dict[str, Path]) -> set[str]:
+    """A score head over a causal LM's weights: initialized here, not loaded."""
+    return {n for n in names if n == SCORE_HEAD and n not in files}
+
+
+def _head_init(shape, config: PretrainedConfig, seed: int) -> torch.Tensor:
+    """The same on every rank (a seeded generator): nothing to send."""
+    return torch.empty(shape).normal_(0.0, config.initializer_range, generator=torch.Generator().manual_seed(seed))
 
 
 def load_slices(model: nn.Module, path: Path | None, config: PretrainedConfig, seed: int,
@@ -280,8 +315,12 @@ def load_slices(model: nn.Module, path: Path | None, config: PretrainedConfig, s
         else:
             base[base_name(name)] = target
     if path is not None:
-        _check_complete(base, _weight_files(path), config)
-        dcp.load(base, storage_reader=HuggingFaceStorageReader(str(path)))
+        files = _weight_files(path)
+        fresh = _fresh_heads(base, files)
+        _check_complete(set(base) - fresh, files, config)
+        dcp.load({n: t for n, t in base.items() if n not in fresh}, storage_reader=HuggingFaceStorageReader(str(path)))
+        for name in fresh:
+            _fill(base[name], _head_init(base[name].shape, config, seed), src_rank=None)
     else:
         rank0 = dist.get_rank() == 0
         full = _random_init(config, seed) if rank0 else {}
@@ -322,7 +361,8 @@ def load_units(model: nn.Module, path: Path | None, config: PretrainedConfig, se
     rank0 = dist.get_rank() == 0
     if path is not None:
         files = _weight_files(path)
-        _check_complete(hf_names.values(), files, config)
+        fresh = _fresh_heads(hf_names.values(), files)
+        _check_complete(set(hf_names.values()) - fresh, files, config)
         handles = {file: safe_open(file, framework="pt") for file in set(files.values())}
     else:
         full = _random_init(config, seed) if rank0 else {}
@@ -334,6 +374,8 @@ def load_units(model: nn.Module, path: Path | None, config: PretrainedConfig, se
                     continue
                 if p not in hf_names:
                     p.copy_(adapters[names[p]])
+                elif path is not None and hf_names[p] in fresh:
+                    p.copy_(_head_init(p.shape, config, seed))
                 elif path is not None:
                     _copy_in_blocks(p, handles[files[hf_names[p]]].get_slice(hf_names[p]))
                 else:

@@ -8,6 +8,7 @@ from llmtrain.recipes.base import Recipe
 from llmtrain.recipes.distill import Distill
 from llmtrain.recipes.dpo import DPO
 from llmtrain.recipes.grpo import GRPO
+from llmtrain.recipes.reward import Reward
 from llmtrain.recipes.sft import Finetune
 
-RECIPES: dict[str, type[Recipe]] = {r.name: r for r in (Finetune, DPO, GRPO, Distill)}
+RECIPES: dict[str, type[Recipe]] = {r.name: r for r in (Finetune, DPO, GRPO, Distill, Reward)}

@@ -34,6 +34,7 @@ class Recipe:
     rows: str = "tokens"  # the data kind it trains on (data.FORMATS[...].rows): "tokens" or "pairs"
     unit: str = "rows"    # what one sample of the global batch is, for the log
     final_export: bool = True  # write output_dir/hf (and adapter/) at the end
+    score_head: bool = False   # the policy is a one-score sequence classifier (a reward model), not a causal LM
     run: Run              # set by setup
     objective: Objective  # set by the subclass's setup
 
@@ -80,7 +81,7 @@ class Recipe:
     # -- the shared body ---------------------------------------------------------------------------
     def train(self, cfg: Config, env) -> nn.Module:
         name, held = self.source_state(cfg), Held()
-        run = build(cfg, env, self.name, [Registered(name, held)] if name else [])
+        run = build(cfg, env, self.name, [Registered(name, held)] if name else [], self.score_head)
         built, source = self.source(run)
         try:
             self.setup(run, built)

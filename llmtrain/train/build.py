@@ -49,7 +49,7 @@ class Run:
     ckpt: checkpoint.CheckpointManager
     state: checkpoint.TrainState
     metrics: MetricsLogger
-    token_loss: loss_lib.TokenLoss
+    token_loss: loss_lib.TokenLoss | None  # None for a score head (Recipe.score_head)
     preemption: distributed.PreemptionFlag
 
     @property
@@ -73,9 +73,11 @@ class Run:
         return parallelize.autocast(self.plan, self.env.device)
 
 
-def build(cfg: Config, env: distributed.DistEnv, recipe: str, registered: list[Registered] = ()) -> Run:
+def build(cfg: Config, env: distributed.DistEnv, recipe: str, registered: list[Registered] = (),
+          score_head: bool = False) -> Run:
     """Everything up to the data, resumed from the newest verified checkpoint if there is one (with every
-    `registered` object's state) when it was saved by the same setup (llmtrain.run.resume)."""
+    `registered` object's state) when it was saved by the same setup (llmtrain.run.resume). score_head: the policy
+    is model.path's body with a one-score head (a reward model, models.hf.as_score_model)."""
     preemption = distributed.PreemptionFlag()
     if cfg.distributed.preflight:  # all ranks joined (distributed.init); now collectives, output_dir, versions
         summary = preflight.run(env, cfg.output_dir, cfg.distributed.preflight_timeout_s)
@@ -84,6 +86,8 @@ def build(cfg: Config, env: distributed.DistEnv, recipe: str, registered: list[R
     lock.hold(cfg.output_dir, env.rank)  # one run per output_dir: a second one exits 2, writing nothing
     tokenizer = model_lib.load_tokenizer(cfg.tokenizer.path or cfg.model.path, cfg.model.trust_remote_code)
     model_config = model_lib.load_model_config(cfg.model, tokenizer)
+    if score_head:
+        model_config = model_lib.as_score_model(model_config, tokenizer)
     model_lib.check_seq_len(model_config, cfg.data.seq_len)
     start = checkpoint.choose_resume(cfg.checkpoint, cfg.output_dir)  # verified; corrupt ones are skipped
     # LoRA: the frozen base's fingerprint, recorded in checkpoints and checked against the one resumed from.
@@ -126,8 +130,11 @@ def build(cfg: Config, env: distributed.DistEnv, recipe: str, registered: list[R
                      f"base {cfg.lora.base_dtype}")
     if policy.quantized is not None:
         metrics.info(policy.quantized.describe())
-    token_loss = loss_lib.TokenLoss(cfg.train.loss_impl, model, env.device, cfg.train.loss_chunk_tokens)  # collective
-    metrics.info(token_loss.describe())
+    token_loss = None  # a score head has no token logits
+    if not score_head:
+        token_loss = loss_lib.TokenLoss(cfg.train.loss_impl, model, env.device,
+                                        cfg.train.loss_chunk_tokens)  # collective
+        metrics.info(token_loss.describe())
     if warning := checkpoint.space_warning(cfg.output_dir, checkpoint.checkpoint_bytes(model),
                                            _checkpoints_kept(cfg.checkpoint, cfg.train.max_steps),
                                            _export_size(cfg, policy), env.world_size):

@@ -38,8 +38,9 @@ sys.path.insert(0, str(REPO / "bench"))  # gpu.engines: the engines' set-up, sha
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-from llmtrain.rollout.engine import EngineSetup  # noqa: E402
-from llmtrain.rollout.local import Sampling, generate  # noqa: E402
+from llmtrain.rollout.engine import Sampling  # noqa: E402
+from llmtrain.rollout.local import generate  # noqa: E402
+from llmtrain.rollout.section import RolloutSection  # noqa: E402
 
 G, SEED = 4, 42
 
@@ -143,12 +144,12 @@ def ceiling(model, tok, rows, keys, steps: int, state: dict, work_a: int, work_b
 def engines(model, tok, rows: list[list[int]], keys: list[tuple[int, ...]], sampling: Sampling, repeats: int) -> None:
     """rollout.engine local vs transformers (and transformers' generate, TRL's sampler), each with the weights pushed
     as recipes/grpo.py pushes them, in alternating order (A B C, then C B A, ...); the model's own EOS only."""
-    from gpu.engines import hf_generate, process_group, pushed_engine
+    from gpu.engines import engine_setup, hf_generate, process_group, pushed_engine
 
     cpu, eos, pad = torch.device("cpu"), [tok.eos_token_id], tok.pad_token_id or 0
     process_group(cpu)
-    setup = EngineSetup(max(map(len, rows)) + sampling.max_tokens, len(rows), SEED, torch.float32,
-                        str(REPO / "outputs" / "bench-grpo-engines"), 0.5, False)
+    setup = engine_setup(model, eos, pad, cpu, rows, sampling.max_tokens, torch.float32,
+                         str(REPO / "outputs" / "bench-grpo-engines"))
 
     def engine_call(engine):
         def call(n: int) -> tuple[list[list[int]], float]:
@@ -160,7 +161,7 @@ def engines(model, tok, rows: list[list[int]], keys: list[tuple[int, ...]], samp
         tokens, _, seconds = hf_generate(model, rows, Sampling(n), eos, pad, cpu)
         return tokens, seconds
 
-    calls = {name: engine_call(pushed_engine(name, model, eos, pad, cpu, setup)) for name in ("local", "transformers")}
+    calls = {name: engine_call(pushed_engine(RolloutSection(engine=name), setup)) for name in ("local", "transformers")}
     calls["hf generate"] = hf_call
     for call in calls.values():
         call(4)  # warm-up
