@@ -24,7 +24,7 @@ from llmtrain.models import lora, nf4
 from llmtrain.models.hf import WEIGHTS_FILE, WEIGHTS_INDEX, stop_ids
 from llmtrain.models.names import peft_key
 from llmtrain.parallelize import Strategy
-from llmtrain.utils import free_bytes, megabytes, no_space, publish
+from llmtrain.utils import follow_umask, free_bytes, megabytes, no_space, publish
 
 # The directories a LoRA export writes, by lora.export: adapter (PEFT) and/or hf (merged).
 LORA_OUTPUTS = {"adapter": ("adapter",), "merged": ("hf",), "both": ("adapter", "hf")}
@@ -54,6 +54,7 @@ def write_hf(state: dict[str, torch.Tensor], out: Path, config, tokenizer, dtype
                                                max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():
         save_file({n: state[n] for n in names}, tmp / filename, metadata={"format": "pt"})
+        follow_umask(tmp / filename)
     if split.is_sharded:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
                  "weight_map": split.tensor_to_filename}
@@ -80,6 +81,7 @@ def write_adapter(trained: dict[str, torch.Tensor], out: Path, section: LoraConf
     tmp = _fresh(out)
     save_file({peft_key(n): t.float().contiguous() for n, t in trained.items()}, tmp / lora.ADAPTER_WEIGHTS,
               metadata={"format": "pt"})
+    follow_umask(tmp / lora.ADAPTER_WEIGHTS)
     config = lora.peft_config(section)
     config.target_modules = sorted({n.split(".lora_A.")[0] for n in trained if ".lora_A." in n})
     config.base_model_name_or_path = base_path

@@ -5,7 +5,7 @@ with DDP, FSDP or FSDP2, on GPUs (NCCL) or CPU (gloo).
     torchrun --nproc_per_node=N recipes/distill.py --config configs/demo-distill.yaml [key.sub=value ...]
     python recipes/distill.py --help-config                     # every key (finetune's plus distill.*)
 
-The recipe is llmtrain.recipes.distill.Distill (llmtrain/recipes/distill.py); this script only runs it.
+The recipe is llmtrain.recipes.distill.Distill (llmtrain/recipes/distill/); this script only runs it.
 """
 
 import sys

@@ -161,8 +161,17 @@ def check_seq_len(config: PretrainedConfig, seq_len: int, whose: str = "the mode
                           "lower data.seq_len (or extend that context in its config first)")
 
 
-def load_tokenizer(path: str, trust_remote_code: bool):
-    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+def load_tokenizer(path: str, trust_remote_code: bool, key: str | None = None, holds: str = ""):
+    """The tokenizer at `path`. key: the config key that named `path`; transformers' error for a directory
+    without tokenizer files is then one line naming it, followed by `holds` (what that directory should hold)."""
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        if key is None:
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{key}: no tokenizer could be loaded from {path} ({first[:200]})"
+                          + (f"; {holds}" if holds else "")) from None
     if tok.eos_token_id is None:
         raise ConfigError(f"tokenizer at {path} has no eos_token; set one in its tokenizer_config.json")
     if tok.pad_token_id is None:  # Llama tokenizers ship without one; padding is masked out anyway

@@ -9,7 +9,7 @@ distill.top_k (> 0) and distill.temperature decide the values; parallel.* shards
 computes and writes its share of every global batch). --samples: how many samples of the global order to
 cover (default train.max_steps x the global batch at this run's world size; a training run on more ranks
 needs more). DIR must not exist; it appears complete or not at all, on a file system every rank sees.
-What is stored: llmtrain/recipes/distill_teacher.py; docs/distill.md, "Offline teacher"."""
+What is stored: llmtrain/recipes/distill/teacher.py; docs/distill.md, "Offline teacher"."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ from llmtrain import data, distributed
 from llmtrain.config import ConfigError, load_config
 from llmtrain.losses.token import next_token_targets
 from llmtrain.models import hf, lora
-from llmtrain.recipes import distill_teacher as stored
-from llmtrain.recipes.distill import DistillConfig, check_kd_settings, check_teacher, teacher_dtype
+from llmtrain.recipes.distill import teacher as stored
+from llmtrain.recipes.distill.config import DistillConfig, check_kd_settings, check_teacher, teacher_dtype
 from llmtrain.run import failures
 from llmtrain.train import frozen
 from llmtrain.train.cli import exit_code, fail

@@ -5,13 +5,16 @@ the other runs' exports must reproduce (tests/helpers/export.py)."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers import REPO
 from helpers.procs import launch, run_recipe
 from llmtrain.convert import CheckpointError, check_out
 from llmtrain.convert import main as convert_main
@@ -93,3 +96,34 @@ def test_a_lora_out_over_its_base_is_refused(tmp_path):
         with pytest.raises(CheckpointError, match=rf"^OUT {out} {how} (the run directory of|model.path)"):
             check_out(ckpt, out, ("adapter", "hf"), str(base), overwrite=True)
     check_out(ckpt, tmp_path / "elsewhere", ("adapter", "hf"), str(base), overwrite=True)
+
+
+def test_export_files_follow_the_umask(tmp_path):
+    """safetensors' save_file creates its files 0600 whatever the umask: an export (write_hf and write_adapter,
+    which the run's final and periodic exports and llmtrain.convert write with) gives every file the mode open()
+    gives a new file, 0666 less the umask, as the config and tokenizer files beside the weights have."""
+    from transformers import LlamaConfig
+
+    from llmtrain.config import LoraConfig
+    from llmtrain.export import write_adapter, write_hf
+    from llmtrain.models.hf import load_tokenizer
+
+    tokenizer = load_tokenizer(str(REPO / "assets" / "tokenizer"), False)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+                         eos_token_id=tokenizer.eos_token_id)
+    state = {"model.embed_tokens.weight": torch.randn(len(tokenizer), 8), "model.norm.weight": torch.ones(8)}
+    adapter = {"model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(4, 8),
+               "model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(8, 4)}
+    mask = os.umask(0o027)  # neither safetensors' 0600 nor the usual 0644
+    try:
+        write_hf(state, tmp_path / "hf", config, tokenizer, torch.float32)
+        write_hf(dict(state), tmp_path / "sharded", config, tokenizer, torch.float32, max_shard_size="5KB")
+        write_adapter(adapter, tmp_path / "adapter", LoraConfig(enabled=True, r=4), None)
+    finally:
+        os.umask(mask)
+    modes = {str(p.relative_to(tmp_path)): stat.S_IMODE(p.stat().st_mode)
+             for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+    assert {"hf/model.safetensors", "sharded/model-00002-of-00002.safetensors",
+            "adapter/adapter_model.safetensors"} <= modes.keys(), sorted(modes)
+    assert modes == dict.fromkeys(modes, 0o640), modes

@@ -23,7 +23,7 @@ from helpers.distill import DISTILL, distill_args, reference_kd, seeded_student
 from helpers.procs import (finish_recipe, launch, losses_by_step, read_metrics, run_recipe, run_side_by_side,
                            start_recipe)
 from llmtrain import data
-from llmtrain.recipes import distill_teacher as stored
+from llmtrain.recipes.distill import teacher as stored
 from llmtrain.config import DataConfig
 from llmtrain.models.hf import load_tokenizer
 from llmtrain.run.resume import data_fingerprint

@@ -19,7 +19,7 @@ import torch
 
 from helpers import REPO, TINY
 from helpers.procs import finish, launch, start, worker_pids
-from llmtrain.recipes import distill_teacher as stored
+from llmtrain.recipes.distill import teacher as stored
 
 DISTILL = REPO / "recipes" / "distill.py"
 PRECOMPUTE = REPO / "llmtrain" / "tools" / "distill_precompute.py"

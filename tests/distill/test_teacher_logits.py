@@ -1,4 +1,4 @@
-"""llmtrain.recipes.distill_teacher, the offline teacher's store: shards written by ranks read back by stream position
+"""llmtrain.recipes.distill.teacher, the offline teacher's store: shards written by ranks read back by stream position
 (tokens in order, whichever shard holds a sample); the directory appears whole (manifest, then the rename);
 each way a store can be another run's (data, rows, tokenizer, top_k, temperature, too few samples) or damaged
 (no manifest, a missing shard, a changed byte) is a one-line ConfigError naming it."""
@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from llmtrain.recipes import distill_teacher as stored
+from llmtrain.recipes.distill import teacher as stored
 from llmtrain.config import ConfigError, DataConfig
 
 K = 3

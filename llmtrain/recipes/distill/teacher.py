@@ -1,4 +1,4 @@
-"""Distillation's teacher side (llmtrain/recipes/distill.py's KDObjective asks it for the teacher's
+"""Distillation's teacher side (llmtrain.recipes.distill.objective's KDObjective asks it for the teacher's
 distributions, TeacherSide): the teacher model (LiveTeacher: llmtrain.train.frozen's frozen model, its forward run
 inside the student's) or its stored top-k log-probs (StoredTeacher, distill.teacher_logits), which StoredSource
 attaches to each micro-batch; and the stored values' format, written by python -m llmtrain.tools.distill_precompute

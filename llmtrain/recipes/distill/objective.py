@@ -1,6 +1,6 @@
-"""Distillation's objective (llmtrain/recipes/distill.py): per micro-batch, the student's forward hands the final
+"""Distillation's objective (llmtrain.recipes.distill.recipe): per micro-batch, the student's forward hands the final
 hidden states of its trained positions to the step (TokenLoss's hook on its output layer, so that FSDP holds that
-layer gathered); there the teacher side (llmtrain/recipes/distill_teacher.py) gives the teacher's distributions of
+layer gathered); there the teacher side (llmtrain.recipes.distill.teacher) gives the teacher's distributions of
 the same tokens (the teacher model's forward runs on the same batch under no_grad with the same hook), and
 llmtrain.losses.distill.chunked_kd takes chunk after chunk of both models' logits: the token-weighted KD + CE sums,
 with no [tokens x vocab] logits of either model. The teacher's forward returns nothing differentiable (no FSDP
@@ -12,7 +12,7 @@ import torch
 
 from llmtrain.losses import distill as kd
 from llmtrain.losses.token import TokenLoss, trained_tokens, validation_sums
-from llmtrain.recipes.distill_teacher import TeacherDist, TeacherSide
+from llmtrain.recipes.distill.teacher import TeacherDist, TeacherSide
 from llmtrain.train.step import Share
 
 METRICS = ("kd_loss", "ce_loss")  # per trained token, beside the logged loss (their kd_weight mix)
