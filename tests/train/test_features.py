@@ -96,7 +96,7 @@ def test_weights_from_model_path_round_trip(tmp_path, shared_runs):
 
 LOAD_SHAPE = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=12, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=4096, tie_word_embeddings=True)
-MEMORY_PROBE = REPO / "bench" / "memory_probe.py"
+MEMORY_PROBE = REPO / "bench" / "benchmarks" / "memory" / "probe.py"
 
 
 @pytest.fixture(scope="module")
