@@ -78,7 +78,7 @@ WORKER = textwrap.dedent("""
     import functools, json, sys
     import torch, torch.distributed as dist
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-    sys.path.insert(0, sys.argv[3])
+    sys.path[:0] = [sys.argv[3], sys.argv[3] + "/rollout"]  # helpers, and this test module
     from test_grpo_compaction import CPU, KEYS, MAX, PAD, ROWS, Sampling, model_and_eos
     from llmtrain.rollout.local import generate
 

@@ -136,7 +136,7 @@ WORKER = textwrap.dedent("""
     import torch, torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-    sys.path.insert(0, sys.argv[3])
+    sys.path[:0] = [sys.argv[3], sys.argv[3] + "/rollout"]  # helpers, and this test module
     from test_grpo_generation import EOS, PAD, SAMPLING, rows_and_keys, tiny
     from llmtrain.rollout.local import gathered, generate
 
