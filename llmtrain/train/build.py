@@ -89,18 +89,10 @@ def build(cfg: Config, env: distributed.DistEnv, recipe: str, registered: list[R
     if score_head:
         model_config = model_lib.as_score_model(model_config, tokenizer)
     model_lib.check_seq_len(model_config, cfg.data.seq_len)
-    start = checkpoint.choose_resume(cfg.checkpoint, cfg.output_dir)  # verified; corrupt ones are skipped
-    # LoRA: the frozen base's fingerprint, recorded in checkpoints and checked against the one resumed from.
-    base = lora.fingerprint(cfg.model.path, cfg.model.config, cfg.train.seed) if cfg.lora.enabled else {}
-    changed, identity = [], resume.identity(cfg, recipe)  # the data files hashed once
-    if start is not None:
-        changed = resume.check(start, cfg, identity, model_config.to_dict(), env.world_size, checkpoint.STATE_FILE,
-                               checkpoint.HF_CONFIG_DIR)
-        saved_state = json.loads((start / checkpoint.STATE_FILE).read_text())
-        resume.check_budget(start, saved_state["step"], cfg.train.max_steps)
-        lora.check_resume(start, saved_state.get("base") or {}, base)
+    point = _resume_point(cfg, recipe, model_config, env.world_size)
     # Resuming: the checkpoint holds every trained weight (LoRA's: the adapters; the base is loaded here).
-    policy = build_model(cfg.model, model_config, cfg.parallel, env, cfg.train.seed, cfg.lora, load=start is None)
+    policy = build_model(cfg.model, model_config, cfg.parallel, env, cfg.train.seed, cfg.lora,
+                         load=point.start is None)
     model = policy.model
     model.train()
     distributed.seed_everything(cfg.train.seed + env.rank)  # per rank; LoRA dropout is keyed (models/dropout.py)
@@ -112,36 +104,22 @@ def build(cfg: Config, env: distributed.DistEnv, recipe: str, registered: list[R
                                         model_config, tokenizer)
     for r in registered:
         ckpt.register(r.name, r.obj, r.per_rank)
-    state = ckpt.resume(start) or checkpoint.TrainState(global_batch=global_batch, world_size=env.world_size,
-                                                        base=base)
+    state = ckpt.resume(point.start) or checkpoint.TrainState(global_batch=global_batch, world_size=env.world_size,
+                                                              base=point.base)
     # What the next checkpoints record: this run's (also after an allowed change).
-    state.identity, state.global_batch, state.world_size = identity, global_batch, env.world_size
+    state.identity, state.global_batch, state.world_size = point.identity, global_batch, env.world_size
     model_lib.check_initialized(model)  # every parameter loaded (from model.path or the checkpoint)
     replaced = [] if state.step > 0 else _earlier_run(cfg.output_dir)  # before the logger truncates its file
     metrics = MetricsLogger(cfg.output_dir, env.is_main, cfg.train.max_steps, state.step, cfg.log.progress,
                             append=state.step > 0, section=cfg.log, run_config=cfg)
-    plan = policy.plan
-    metrics.info(f"model: {policy.n_params / 1e6:.2f}M parameters | {env.world_size} x {env.device.type} "
-                 f"({env.backend}) | strategy {plan.strategy.name} ({plan.reason}) | {cfg.parallel.mixed_precision}")
-    _, attn_why = attention.choose(cfg.model.attn_implementation, model_config)
-    metrics.info(f"{plan.strategy.describe(model)} | attention {attn_why}")
-    if cfg.lora.enabled:
-        metrics.info(f"lora: {policy.params_line} | r={cfg.lora.r} alpha={cfg.lora.alpha:g} | "
-                     f"base {cfg.lora.base_dtype}")
-    if policy.quantized is not None:
-        metrics.info(policy.quantized.describe())
     token_loss = None  # a score head has no token logits
     if not score_head:
         token_loss = loss_lib.TokenLoss(cfg.train.loss_impl, model, env.device,
                                         cfg.train.loss_chunk_tokens)  # collective
-        metrics.info(token_loss.describe())
-    if warning := checkpoint.space_warning(cfg.output_dir, checkpoint.checkpoint_bytes(model),
-                                           _checkpoints_kept(cfg.checkpoint, cfg.train.max_steps),
-                                           _export_size(cfg, policy), env.world_size):
-        metrics.info(f"warning: {warning}")
+    _describe(metrics, cfg, env, policy, model_config, token_loss)
     if state.step > 0:
         metrics.info(f"resumed at step {state.step} ({state.samples_seen} samples seen)")
-    for line in changed:
+    for line in point.changed:
         metrics.info(line)
     if replaced:
         metrics.info(f"note: output_dir {cfg.output_dir} holds an earlier run's {' and '.join(replaced)} and no "
@@ -149,8 +127,53 @@ def build(cfg: Config, env: distributed.DistEnv, recipe: str, registered: list[R
                      "them)")
     if env.is_main:
         (Path(cfg.output_dir) / "config.yaml").write_text(to_yaml(cfg))
-    return Run(cfg, env, tokenizer, policy, opt, parallelize.grad_scaler(plan, env.device), peak, global_batch,
+    return Run(cfg, env, tokenizer, policy, opt, parallelize.grad_scaler(policy.plan, env.device), peak, global_batch,
                ckpt, state, metrics, token_loss, preemption)
+
+
+class ResumePoint(NamedTuple):
+    """Where a run starts: the newest verified checkpoint of output_dir (None: from model.path) and what it is."""
+    start: Path | None
+    changed: list[str]  # a line per allowed change of setup since that checkpoint was saved
+    identity: dict      # what makes a run this run (llmtrain.run.resume), recorded in the next checkpoints
+    base: dict          # LoRA: the frozen base's fingerprint ({} without LoRA)
+
+
+def _resume_point(cfg: Config, recipe: str, model_config, world_size: int) -> ResumePoint:
+    """The checkpoint to resume from (corrupt ones are skipped), refused when saved by another setup, another
+    budget or another LoRA base."""
+    start = checkpoint.choose_resume(cfg.checkpoint, cfg.output_dir)
+    # LoRA: the frozen base's fingerprint, recorded in checkpoints and checked against the one resumed from.
+    base = lora.fingerprint(cfg.model.path, cfg.model.config, cfg.train.seed) if cfg.lora.enabled else {}
+    changed, identity = [], resume.identity(cfg, recipe)  # the data files hashed once
+    if start is not None:
+        changed = resume.check(start, cfg, identity, model_config.to_dict(), world_size, checkpoint.STATE_FILE,
+                               checkpoint.HF_CONFIG_DIR)
+        saved_state = json.loads((start / checkpoint.STATE_FILE).read_text())
+        resume.check_budget(start, saved_state["step"], cfg.train.max_steps)
+        lora.check_resume(start, saved_state.get("base") or {}, base)
+    return ResumePoint(start, changed, identity, base)
+
+
+def _describe(metrics: MetricsLogger, cfg: Config, env: distributed.DistEnv, policy: BuiltModel, model_config,
+              token_loss: loss_lib.TokenLoss | None) -> None:
+    """The set-up's log lines: the model and its strategy, attention, LoRA / NF4, the loss, a disk-space warning."""
+    plan = policy.plan
+    metrics.info(f"model: {policy.n_params / 1e6:.2f}M parameters | {env.world_size} x {env.device.type} "
+                 f"({env.backend}) | strategy {plan.strategy.name} ({plan.reason}) | {cfg.parallel.mixed_precision}")
+    _, attn_why = attention.choose(cfg.model.attn_implementation, model_config)
+    metrics.info(f"{plan.strategy.describe(policy.model)} | attention {attn_why}")
+    if cfg.lora.enabled:
+        metrics.info(f"lora: {policy.params_line} | r={cfg.lora.r} alpha={cfg.lora.alpha:g} | "
+                     f"base {cfg.lora.base_dtype}")
+    if policy.quantized is not None:
+        metrics.info(policy.quantized.describe())
+    if token_loss is not None:
+        metrics.info(token_loss.describe())
+    if warning := checkpoint.space_warning(cfg.output_dir, checkpoint.checkpoint_bytes(policy.model),
+                                           _checkpoints_kept(cfg.checkpoint, cfg.train.max_steps),
+                                           _export_size(cfg, policy), env.world_size):
+        metrics.info(f"warning: {warning}")
 
 
 def _earlier_run(output_dir: str) -> list[str]:
