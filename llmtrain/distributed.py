@@ -47,10 +47,15 @@ def local_rank_from_env() -> int:
     return _env_int("LOCAL_RANK", 0)
 
 
+def device_kind(section: DistributedConfig) -> str:
+    """distributed.device resolved: "cuda" or "cpu" (auto: CUDA when a device is visible)."""
+    if section.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return section.device
+
+
 def pick_device(section: DistributedConfig, local_rank: int) -> tuple[torch.device, str]:
-    kind = section.device
-    if kind == "auto":
-        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    kind = device_kind(section)
     if kind == "cuda" and not torch.cuda.is_available():
         raise ConfigError("distributed.device=cuda but no CUDA device is visible; use distributed.device=cpu or auto")
     backend = section.backend

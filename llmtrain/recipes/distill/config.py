@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import torch
 from transformers import AutoConfig
 
 from llmtrain import data, distributed
@@ -111,8 +110,7 @@ def check_on_policy(cfg: DistillConfig) -> None:
             raise ConfigError("rollout: its engine samples on-policy steps only; set distill.on_policy_fraction > 0, "
                               "or leave rollout.* unset")
         return
-    device = cfg.distributed.device
-    check_engine(cfg.rollout, device == "cuda" or (device == "auto" and torch.cuda.is_available()))
+    check_engine(cfg.rollout, distributed.device_kind(cfg.distributed) == "cuda")
     why = f"distill.on_policy_fraction={d.on_policy_fraction:g} samples completions for the rows' prompts"
     if d.teacher_logits is not None:
         raise ConfigError(f"distill.teacher_logits: an offline teacher has no log-probs for the tokens the student "

@@ -162,8 +162,7 @@ class GRPO(Recipe):
         self.check_existing_model(cfg, "configs/demo-grpo.yaml")
         check(cfg.grpo)
         check_batch(cfg, distributed.world_size_from_env())  # before any process group: torchrun's WORLD_SIZE
-        device = cfg.distributed.device
-        check_engine(cfg.rollout, device == "cuda" or (device == "auto" and torch.cuda.is_available()))
+        check_engine(cfg.rollout, distributed.device_kind(cfg.distributed) == "cuda")
         rewards.load_all(cfg.grpo.reward_funcs)  # a missing module, file or function: exit 2 here
         rewards.reward_timeout(cfg.grpo.reward_timeout_s, cfg.distributed.timeout_s)
         if cfg.train.loss_impl == "liger":
