@@ -11,32 +11,11 @@ import textwrap
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from helpers import REPO
+from helpers.compaction import CPU, KEYS, MAX, PAD, ROWS, model_and_eos
 from helpers.procs import launch
 from llmtrain.rollout.local import Sampling, filter_logits, generate
-
-VOCAB, PAD, MAX = 48, 0, 24
-CPU = torch.device("cpu")
-
-
-def model_and_eos() -> tuple[LlamaForCausalLM, list[int]]:
-    """A tiny random Llama and, as EOS, the token it favours most after the prompts (besides PAD): some rows
-    stop after a few tokens, others run to MAX."""
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
-    with torch.no_grad():
-        probs = model(input_ids=torch.tensor(PROMPTS[0:1]), use_cache=False).logits.softmax(-1).mean((0, 1))
-    probs[PAD] = 0
-    return model.train(), [int(probs.argmax())]
-
-
-PROMPTS = [[1, 4, 6, 9], [1, 5], [1, 7, 9, 11, 4, 30, 31], [1, 8], [3], [1, 40, 41, 42, 43, 44, 45, 46, 47, 2]]
-KEYS = [(11, 0, i, g) for i in range(len(PROMPTS)) for g in range(3)]
-ROWS = [p for p in PROMPTS for _ in range(3)]
-
 
 @pytest.mark.parametrize("sampling", [Sampling(MAX), Sampling(MAX, temperature=0.7), Sampling(MAX, temperature=1.6),
                                       Sampling(MAX, temperature=0.9, top_k=8), Sampling(MAX, top_p=0.8),
@@ -78,9 +57,9 @@ WORKER = textwrap.dedent("""
     import functools, json, sys
     import torch, torch.distributed as dist
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-    sys.path[:0] = [sys.argv[3], sys.argv[3] + "/rollout"]  # helpers, and this test module
-    from test_grpo_compaction import CPU, KEYS, MAX, PAD, ROWS, Sampling, model_and_eos
-    from llmtrain.rollout.local import generate
+    sys.path.insert(0, sys.argv[3])  # tests/, for its helpers
+    from helpers.compaction import CPU, KEYS, MAX, PAD, ROWS, model_and_eos
+    from llmtrain.rollout.local import Sampling, generate
 
     strategy, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")

@@ -12,36 +12,15 @@ import textwrap
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from helpers import REPO
+from helpers.keyed_sampling import CPU, EOS, PAD, PROMPTS, SAMPLING, rows_and_keys, tiny
 from helpers.procs import launch
 from llmtrain.data.formats import IGNORE
 from llmtrain.rollout.local import CompletionGrid, Sampling, filter_logits, generate, pick, sample_seed
 from llmtrain.rollout.rows import training_rows
 from llmtrain.losses.token import next_token_targets
-
-VOCAB, EOS, PAD = 16, [2, 3], 0
-CPU = torch.device("cpu")
-MODEL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64)
-
-
-def tiny() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**MODEL)).train()
-
-
-PROMPTS = [[1, 4, 6], [1, 5], [1, 7, 9, 11, 4], [1, 8, 8, 6], [1, 9]]
-SAMPLING = Sampling(max_tokens=12, temperature=0.9, top_p=0.95, top_k=12)
-
-
-def rows_and_keys(step: int = 3):
-    """Each prompt twice (a group of 2), keyed (seed, step, prompt index, generation index)."""
-    rows = [(p, (7, step, i, g)) for i, p in enumerate(PROMPTS) for g in range(2)]
-    return [r for r, _ in rows], [k for _, k in rows]
-
 
 def as_lists(c) -> list[list[int]]:
     return [row[: n].tolist() for row, n in zip(c.ids, c.lengths)]
@@ -136,8 +115,8 @@ WORKER = textwrap.dedent("""
     import torch, torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-    sys.path[:0] = [sys.argv[3], sys.argv[3] + "/rollout"]  # helpers, and this test module
-    from test_grpo_generation import EOS, PAD, SAMPLING, rows_and_keys, tiny
+    sys.path.insert(0, sys.argv[3])  # tests/, for its helpers
+    from helpers.keyed_sampling import EOS, PAD, SAMPLING, rows_and_keys, tiny
     from llmtrain.rollout.local import gathered, generate
 
     strategy, out = sys.argv[1], sys.argv[2]
