@@ -225,7 +225,7 @@ def test_kto_data_with_one_side_only_says_what_to_do():
 # ----------------------------------------------------------------------------- end to end
 
 def kto_args(base, *extra: str) -> list[str]:
-    return ["model.config=null", f"model.path={base}", f"data.path={ROWS}", "data.format=unpaired",
+    return ["model.config=null", f"model.path={base}", "data.format=unpaired",
             "train.max_steps=3", "kto.beta=0.5", "kto.desirable_weight=1.2", "kto.undesirable_weight=0.8", *extra]
 
 
@@ -247,12 +247,20 @@ def step_one_losses() -> list:
 
 
 @pytest.fixture(scope="session")
-def kto_runs(tmp_path_factory, base):
+def kto_rows(tmp_path_factory):
+    """40 demo rows (20 desirable, then 20 undesirable): a file of its own, so its datasets cache (where the
+    precomputed reference log-probs go) starts empty, and small, so that precomputing them is quick."""
+    out = tmp_path_factory.mktemp("kto_rows") / "rows.jsonl"
+    lines = ROWS.read_text().splitlines(keepends=True)
+    out.write_text("".join(lines[:20] + lines[1000:1020]))
+    return out
+
+
+@pytest.fixture(scope="session")
+def kto_runs(tmp_path_factory, base, kto_rows):
     root = tmp_path_factory.mktemp("kto")
-    # A copy of the rows has a datasets cache of its own: the precomputed reference log-probs start absent.
-    rows = shutil.copy(ROWS, root / "rows.jsonl")
-    runs = {name: (root / name, ranks, kto_args(base, *extra, *((f"data.path={rows}",) if "pre" in name else ())),
-                   KTO) for name, (ranks, extra) in SPLITS.items()}
+    runs = {name: (root / name, ranks, kto_args(base, f"data.path={kto_rows}", *extra), KTO)
+            for name, (ranks, extra) in SPLITS.items()}
     results = run_side_by_side(runs, at_once=3)
     for name, res in results.items():
         (root / name / "stdout.log").write_text(res.stdout)
@@ -266,7 +274,7 @@ def test_kto_losses_and_metrics_match_across_strategies_ranks_accumulation_and_t
     assert len(want) == 3 and want[0]["kl"] == 0 and want[0]["loss"] in step_one_losses()
     assert any(r["kl"] > 0 for r in want[1:]) and want[2]["loss"] not in step_one_losses()
     log = (kto_runs["fsdp2_pre"] / "stdout.log").read_text()
-    assert "reference log-probs: computed 2000 pairs" in log and "kto: loss kto, beta 0.5, reference frozen copy" in log
+    assert "reference log-probs: computed 40 pairs" in log and "kto: loss kto, beta 0.5, reference frozen copy" in log
     for split in SPLITS:
         if split == "lora":
             continue
@@ -291,12 +299,12 @@ def test_kto_lora_reference_is_the_policy_with_adapters_off(kto_runs):
 
 
 @pytest.mark.slow
-def test_kto_resumes_exactly_from_two_ranks_onto_one(tmp_path, kto_runs, base):
+def test_kto_resumes_exactly_from_two_ranks_onto_one(tmp_path, kto_runs, base, kto_rows):
     """fsdp2 on 2 ranks checkpointed at step 2, resumed by one process: step 3 as uninterrupted."""
     out = tmp_path / "resumed"
     (out / "checkpoints").mkdir(parents=True)
     shutil.copytree(kto_runs["fsdp2"] / "checkpoints" / "step_2", out / "checkpoints" / "step_2")
-    res = run_recipe(out, *kto_args(base, "parallel.strategy=none"), script=KTO)
+    res = run_recipe(out, *kto_args(base, f"data.path={kto_rows}", "parallel.strategy=none"), script=KTO)
     assert "resumed at step 2" in res.stdout
     (got,) = [r for r in read_metrics(out) if r["step"] == 3]
     (want,) = [r for r in read_metrics(kto_runs["fsdp2"]) if r["step"] == 3]
@@ -306,16 +314,17 @@ def test_kto_resumes_exactly_from_two_ranks_onto_one(tmp_path, kto_runs, base):
 
 
 @pytest.mark.slow
-def test_kto_bad_input_stops_in_one_line(tmp_path, base, run_setup):
+def test_kto_bad_input_stops_in_one_line(tmp_path, base, run_setup, kto_rows):
     """Set-up refusals before any process group, and data with one side only stopped once it is read."""
-    cases = {("eval.every_steps=5",): "eval.every_steps: recipes/kto.py has no validation pass yet",
+    cases = {("eval.every_steps=5", "data.val_fraction=0.1"):
+             "eval.every_steps: recipes/kto.py has no validation pass yet",
              ("train.loss_impl=liger",): "train.loss_impl: recipes/kto.py takes chunked (the default) or full",
              ("data.format=preference",): "data.format: preference gives pairs rows but this recipe trains on "
                                           "unpaired: set data.format=unpaired",
              ("kto.loss_type=sigmoid",): "kto.loss_type"}
     for i, overrides in enumerate(cases):
-        code, _, err = run_setup(KTO, "--config", TINY, f"output_dir={tmp_path / f'bad{i}'}", *kto_args(base),
-                                 *overrides)
+        code, _, err = run_setup(KTO, "--config", TINY, f"output_dir={tmp_path / f'bad{i}'}",
+                                 *kto_args(base, f"data.path={kto_rows}"), *overrides)
         assert code == 2 and cases[overrides] in err, (overrides, err[-2000:])
         assert "Traceback" not in err
     one_side = tmp_path / "desirable.jsonl"
