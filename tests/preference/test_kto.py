@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from helpers import REPO, TINY
-from helpers.pairs import assert_splits_match_the_whole_batch, tiny_model
+from helpers.pairs import assert_splits_match_the_whole_batch, one_thread, tiny_model  # noqa: F401 (autouse)
 from helpers.procs import losses_by_step, read_metrics, run_recipe, run_side_by_side
 from llmtrain import data
 from llmtrain.config import ConfigError, DataConfig
@@ -32,14 +32,6 @@ ROWS = REPO / "data" / "demo" / "unpaired.jsonl"
 TOL = 1e-5
 REL = 1e-6  # logps/* are sums of about -60 over a completion's tokens, where fp32 steps by 4e-6
 METRICS = ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
