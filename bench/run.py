@@ -54,7 +54,7 @@ from common import REPO, BenchError
 from benchmarks.base import BENCH, Ctx, table
 
 NAMES = ["overhead", "loss", "trainer", "trl", "dpo", "grpo", "dpo_reference", "distill", "memory", "data",
-         "checkpoint", "reward"]
+         "checkpoint", "reward", "kto"]
 
 
 # -- report ----------------------------------------------------------------------------------------

@@ -94,7 +94,7 @@ class TokenizerConfig:
 
 # data.format's choices: the names of llmtrain.data.formats.FORMATS (config imports nothing of llmtrain, so the
 # names are repeated here; tests/data/test_formats.py checks the two agree).
-FormatName = Literal["text", "instruction", "chat", "preference", "prompt"]
+FormatName = Literal["text", "instruction", "chat", "preference", "unpaired", "prompt"]
 
 
 @dataclass
@@ -113,7 +113,8 @@ class DataConfig:
     """Training data: a file, a glob or a directory (jsonl/json/parquet/csv/txt); or use data.sources."""
     format: FormatName = "text"
     """text: raw documents; instruction: Alpaca-style records; chat: messages (OpenAI or ShareGPT style);
-    preference: {prompt, chosen, rejected} pairs, text or messages (recipes/dpo.py); prompt: {prompt, ...}
+    preference: {prompt, chosen, rejected} pairs, text or messages (recipes/dpo.py); unpaired: {prompt, completion,
+    label} rows, label true (desirable) or false, text or messages (recipes/kto.py); prompt: {prompt, ...}
     prompts, text or messages, the other columns passed to the reward functions (recipes/grpo.py)."""
     sources: list[SourceConfig] | None = None
     """Several sources mixed by weight: [{path, format, weight}, ...] (instead of data.path/format)."""

@@ -11,6 +11,8 @@ Outputs:
     data/demo/chat.jsonl               {"messages": [{"role", "content"}]}    OpenAI style
     data/demo/sharegpt.jsonl           {"conversations": [{"from", "value"}]} ShareGPT style
     data/demo/preference.jsonl         {"prompt", "chosen", "rejected"}       preference pairs (DPO)
+    data/demo/unpaired.jsonl           {"prompt", "completion", "label"}      the pairs unpaired (KTO): every
+                                                                              chosen (true), then every rejected
     assets/tokenizer/                  512-token byte-level BPE, loadable with AutoTokenizer
 
 The text is synthetic English about a tiny fixed "world" (people, places, objects, colours,
@@ -286,9 +288,13 @@ def main(argv=None):
                                    for m in conversation(r)]} for _ in range(N_SHAREGPT)]
     r = rng("preference")
     pairs = [dict(zip(("prompt", "chosen", "rejected"), preference(r))) for _ in range(N_PREFERENCE)]
+    # TRL's unpair_preference_dataset: each pair's chosen response desirable, its rejected one undesirable
+    unpaired = [{"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"}
+                for side in ("chosen", "rejected") for p in pairs]
 
     for name, records in [("train", train), ("val", val), ("instruct", instruct),
-                          ("chat", chat), ("sharegpt", sharegpt), ("preference", pairs)]:
+                          ("chat", chat), ("sharegpt", sharegpt), ("preference", pairs),
+                          ("unpaired", unpaired)]:
         write_jsonl(data / f"{name}.jsonl", records)
 
     corpus = ([d["text"] for d in train] + [" ".join(d.values()) for d in instruct]

@@ -7,6 +7,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
@@ -180,3 +181,56 @@ def vs_trl_table(runs: list[tuple], trainer: str, what: str, window: int) -> VsT
                   f"best {window}-step window, recipe / TRL", "peak GiB / rank, recipe / TRL"], rows)
     same = all(x["tokens"] == y["step_trained_tokens"] for x, y in runs)
     return VsTrl(ratios_, best, mem, text, same)
+
+
+def per_sec(step_end_s: list[float], per_step: int, warmup: int) -> float:
+    """Rows (or pairs) per second over the steps after `warmup` (step_end_s: each step's end, one clock)."""
+    return per_step * (len(step_end_s) - warmup) / (step_end_s[-1] - step_end_s[warmup - 1])
+
+
+@dataclass
+class Counted:
+    """What one recipe_vs_trl benchmark counts per step (rows or pairs, its TRL driver counting the same) and how its
+    table and ratios name it."""
+    name: str       # the benchmark's name (bench/run.py --only NAME) and its work folder
+    recipe: Path
+    shape: Path
+    driver: str     # bench/baselines/<driver>, which counts `unit` as its "trained"
+    trainer: str    # TRL's class, for the table
+    unit: str       # "pairs" or "rows"
+    target: float   # the rate ratio asked for
+    setup: Callable[[dict], str]  # the config -> the rest of the sentence on what both sides train
+
+
+def counted_vs_trl(ctx: Ctx, c: Counted) -> dict:
+    """`unit`/s of c.recipe vs TRL's c.trainer from one model directory, ddp, 2 ranks (recipe_vs_trl), with peak
+    memory per rank: the table, the ratios (>= c.target, memory <= 1x) and the raw numbers."""
+    runs, cfg, steps, warmup = recipe_vs_trl(ctx, c.name, c.recipe, c.shape, c.driver,
+                                             *((6, 2) if ctx.quick else (20, 5)), 2 if ctx.quick else 5)
+    conf = yaml.safe_load(cfg.read_text())
+    per_step = conf["train"]["micro_batch_size"] * conf["train"]["grad_accum_steps"] * 2  # 2 ranks
+    work = ctx.dir(c.name)
+    ours = [per_sec([r["elapsed_s"] for r in train_records(Path(work / f"recipe_{i}"))], per_step, warmup)
+            for i in range(len(runs))]
+    theirs = [b["useful_tokens_per_sec"] for _, b in runs]  # the driver counts c.unit
+    speed = [a / b for a, b in zip(ours, theirs)]
+    mem = [a["mem"] / (b["peak_rss_bytes"] / 2**30) for a, b in runs]
+    rows = [f"| pair {i + 1} ({pair_order(i)}) | {a:,.2f} | {b:,.2f} | {s:.2f} | {run_[0]['mem']:.2f} / "
+            f"{run_[1]['peak_rss_bytes'] / 2**30:.2f} |"
+            for i, (a, b, s, run_) in enumerate(zip(ours, theirs, speed, runs))]
+    b = runs[-1][1]
+    text = "\n".join([f"| | recipe {c.unit}/s | TRL {c.unit}/s | ratio | peak GiB per rank (recipe / TRL) |",
+                      "| --- | --- | --- | --- | --- |", *rows,
+                      f"| **median** | {median(ours):,.2f} | {median(theirs):,.2f} | **{median(speed):.2f}** | "
+                      f"{median(mem):.2f}x |"]) + (
+        f"\n\nShape: {describe_shape(SHAPE_32K).split(', seq')[0]}; one random causal-LM directory "
+        f"(bench/memory_probe.py --export){c.setup(conf)}. TRL {b['trl']} {c.trainer}: gradient checkpointing "
+        f"{b['gradient_checkpointing']} and bf16={b['bf16']} (TRL turns both on by default), optimizer {b['optim']}, "
+        f"attention {b['attn_implementation']}, {b['wrapper']}; TRL defaults otherwise, in its own venv "
+        f"({ctx.trl_venv_shown}). {steps} steps, the first {warmup} left out; time from rank 0 at the end of each "
+        f"step. Peak memory: peak RSS of the process, max over ranks.")
+    return {"table": text,
+            "ratios": [ratio(f"{c.name}: recipe / TRL {c.trainer} {c.unit}/s", median(speed), c.target),
+                       ratio(f"{c.name}: recipe / TRL {c.trainer} peak memory per rank", median(mem), 1.0, "<=")],
+            "raw": {"runs": runs, f"recipe_{c.unit}_per_sec": ours, f"trl_{c.unit}_per_sec": theirs, "ratios": speed,
+                    "memory_ratios": mem, "steps": steps, "warmup": warmup, "config": str(c.shape.relative_to(REPO))}}

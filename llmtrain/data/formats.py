@@ -22,6 +22,7 @@ from jinja2 import TemplateError
 from llmtrain.config import DataConfig
 from llmtrain.data.preference import Pair, collate_pairs, encode_preference
 from llmtrain.data.records import IGNORE, BadRecord, parse_turns, text_field
+from llmtrain.data.unpaired import KL_COMPLETION, Unpaired, collate_unpaired, encode_unpaired
 
 # Used when a tokenizer has no chat template. {% generation %} marks what the assistant says, so
 # transformers returns the trained-token mask from the rendering itself.
@@ -194,6 +195,11 @@ def _pair_columns(pair: Pair, fmt: Format, section: DataConfig) -> dict:
             "truncated": pair.truncated, "margin": pair.margin}
 
 
+def _unpaired_columns(row: Unpaired, fmt: Format, section: DataConfig) -> dict:
+    return {"prompt_ids": row.prompt, "completion_ids": row.completion, "label": row.label,
+            "truncated": row.truncated}
+
+
 PAIR_INDEX = "pair_index"
 SAMPLE_INDEX = "sample_index"  # a training micro-batch's samples' indices in their step's global batch ([B] long):
                                # the same for any world size and split (they key LoRA's dropout masks)
@@ -226,6 +232,25 @@ def _collate_pair_rows(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]
     return {**batch, PAIR_INDEX: torch.stack([r[PAIR_INDEX] for r in rows])} if PAIR_INDEX in rows[0] else batch
 
 
+def _collate_unpaired_rows(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Stored unpaired rows -> collate_unpaired's batch, with their pair_index (a row and its KL row) when they
+    have one."""
+    batch = collate_unpaired(rows, pad_id)
+    return {**batch, PAIR_INDEX: torch.stack([r[PAIR_INDEX] for r in rows])} if PAIR_INDEX in rows[0] else batch
+
+
+def _unpaired_parts(row: dict) -> list[RowPart]:
+    """The prompt conditions; the completion is scored (desirable or not), and so is the KL completion beside
+    the prompt once the recipe has added it."""
+    prompt, completion = list(map(int, row["prompt_ids"])), list(map(int, row["completion_ids"]))
+    side = "desirable" if bool(row["label"]) else "undesirable"
+    parts = [RowPart("prompt", prompt, [IGNORE] * len(prompt)), RowPart(side, completion, completion)]
+    if KL_COMPLETION in row:
+        kl = list(map(int, row[KL_COMPLETION]))
+        parts.append(RowPart("kl", kl, kl))
+    return parts
+
+
 def _pair_parts(row: dict) -> list[RowPart]:
     """The prompt conditions; both responses are trained (their log-probs make the preference loss)."""
     prompt, chosen, rejected = (list(map(int, row[c])) for c in ("prompt_ids", "chosen_ids", "rejected_ids"))
@@ -245,6 +270,9 @@ TOKENS = Rows("tokens", _token_columns, {"input_ids": [], "labels": [], "split":
 PAIRS = Rows("pairs", _pair_columns, {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "truncated": False,
                                       "margin": 0.0},
              packs=False, parts=_pair_parts, collate=_collate_pair_rows, index=PAIR_INDEX)
+UNPAIRED = Rows("unpaired", _unpaired_columns, {"prompt_ids": [], "completion_ids": [], "label": False,
+                                               "truncated": False},
+                packs=False, parts=_unpaired_parts, collate=_collate_unpaired_rows, index=PAIR_INDEX)
 PROMPTS = Rows("prompts", _prompt_columns, {"input_ids": [], "labels": [], "position_ids": [], "prompt_json": "null",
                                             "columns_json": "{}", "truncated": False},
                packs=False, parts=_prompt_parts, collate=_collate_prompts, index=PROMPT_INDEX,
@@ -255,6 +283,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     Format("instruction", encode_instruction, TOKENS),
     Format("chat", encode_chat, TOKENS, chat_template=True),
     Format("preference", encode_preference, PAIRS, chat_template=True),
+    Format("unpaired", encode_unpaired, UNPAIRED, chat_template=True),
     Format("prompt", encode_prompt, PROMPTS, chat_template=True),
 )}
 

@@ -8,7 +8,8 @@ from llmtrain.recipes.base import Recipe
 from llmtrain.recipes.distill import Distill
 from llmtrain.recipes.dpo import DPO
 from llmtrain.recipes.grpo import GRPO
+from llmtrain.recipes.kto import KTO
 from llmtrain.recipes.reward import Reward
 from llmtrain.recipes.sft import Finetune
 
-RECIPES: dict[str, type[Recipe]] = {r.name: r for r in (Finetune, DPO, GRPO, Distill, Reward)}
+RECIPES: dict[str, type[Recipe]] = {r.name: r for r in (Finetune, DPO, GRPO, Distill, Reward, KTO)}

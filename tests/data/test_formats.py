@@ -27,6 +27,8 @@ SAMPLES = {
                                                       {"from": "gpt", "value": "5"}]}],
     "preference": [{"prompt": "Name a colour.", "chosen": " Red.", "rejected": " Ball."},
                    {"chosen": SUM, "rejected": [SUM[0], {"role": "assistant", "content": "6"}]}],
+    "unpaired": [{"prompt": "Name a colour.", "completion": " Red.", "label": True},
+                 {"prompt": SUM[:1], "completion": SUM[1:], "label": False}],
     "prompt": [{"prompt": "Add 2 and 3.", "answer": "5"}, {"prompt": SUM[:1], "answer": "5"}],
 }
 TRAINED = {
@@ -34,6 +36,7 @@ TRAINED = {
     "instruction": ["Red.<|end_of_text|>", "5<|end_of_text|>"],
     "chat": ["Red.<|eot_id|>", "5<|eot_id|>"],  # the template's end-of-turn token is trained too
     "preference": [" Red.<|end_of_text|>", "5<|eot_id|>", " Ball.<|end_of_text|>", "6<|eot_id|>"],  # chosen, rejected
+    "unpaired": [" Red.<|end_of_text|>", "5<|eot_id|>"],  # each row's completion (the recipe adds its KL rows)
     "prompt": [],  # prompts train nothing: see test_prompts_keep_their_columns_for_the_rewards
 }
 
@@ -63,13 +66,15 @@ def test_every_format_builds_rows_and_collates_them(tmp_path, tok, name):
     else:
         assert trained == TRAINED[name]
     kind = FORMATS[name].rows
-    assert (kind.name, built.collate is None) == (("pairs", False) if name == "preference" else ("tokens", True))
+    assert (kind.name, built.collate is None) == ((kind.name, False) if name in ("preference", "unpaired")
+                                                  else ("tokens", True))
     if kind.index:  # the training rows' positions ride along in their batch
         assert batch[kind.index].tolist() == [0, 1]
 
 
 @pytest.mark.parametrize("name, packing, truncated", [("text", True, 0), ("text", False, 1), ("instruction", True, 2),
-                                                     ("chat", True, 2), ("preference", True, 1), ("prompt", True, 1)])
+                                                     ("chat", True, 2), ("preference", True, 1), ("unpaired", True, 1),
+                                                     ("prompt", True, 1)])
 def test_examples_longer_than_seq_len_are_counted(tmp_path, tok, name, packing, truncated):
     """Packing cuts a document across rows (not truncated); other examples and pairs are cut to seq_len."""
     path = tmp_path / f"{name}.jsonl"

@@ -19,8 +19,8 @@ from llmtrain.config import ConfigError, DataConfig
 from llmtrain.data.formats import IGNORE
 from llmtrain.data.preference import collate_pairs, encode_preference
 from llmtrain.losses import preference as pl
-from helpers.pairs import (DPO, assert_splits_match_the_whole_batch, dpo_args, first_batch, logsig, plain_logps,
-                           random_batch, sequence_logps, tiny_model)
+from helpers.pairs import (DPO, assert_splits_match_the_whole_batch, dpo_args, first_batch, logsig,  # noqa: F401
+                           one_thread, plain_logps, random_batch, sequence_logps, tiny_model)  # one_thread: autouse
 
 TOL = 1e-5
 # (loss, cpo_loss_type, beta, label_smoothing, gamma, cpo_alpha)
@@ -28,14 +28,6 @@ CASES = [("orpo", "sigmoid", 0.1, 0.0, 0.0, 1.0), ("orpo", "sigmoid", 0.5, 0.0, 
          ("cpo", "sigmoid", 0.1, 0.0, 0.0, 1.0), ("cpo", "sigmoid", 0.5, 0.2, 0.0, 0.3),
          ("cpo", "hinge", 0.2, 0.0, 0.0, 1.0), ("cpo", "ipo", 0.3, 0.0, 0.0, 0.5),
          ("cpo", "simpo", 2.0, 0.1, 0.5, 1.0), ("cpo", "simpo", 2.5, 0.0, 1.2, 0.0)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def trl_formula(loss, cpo_type, beta, eps, gamma, pc, pr, nc, nr):

@@ -11,7 +11,8 @@ import torch
 from transformers import AutoTokenizer
 
 from helpers import REPO, TINY
-from helpers.pairs import assert_splits_match_the_whole_batch, logsig, plain_logps, random_batch, tiny_model
+from helpers.pairs import (assert_splits_match_the_whole_batch, logsig, one_thread, plain_logps,  # noqa: F401
+                           random_batch, tiny_model)  # one_thread: an autouse fixture
 from llmtrain.config import ConfigError, DataConfig, load_config
 from llmtrain.data.formats import DEFAULT_CHAT_TEMPLATE, IGNORE, BadRecord, prepare_tokenizer
 from llmtrain.data.preference import Pair, collate_pairs, encode_preference, truncate
@@ -25,16 +26,6 @@ USER = {"role": "user", "content": "What colour is the ball?"}
 SYSTEM = {"role": "system", "content": "Answer briefly."}
 GOOD = {"role": "assistant", "content": "The ball is red."}
 BAD = {"role": "assistant", "content": "The ball is blue."}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These models are tiny: a second intra-op thread only adds synchronisation, which on a busy
-    machine costs seconds per test (measured: 0.3 s on one thread, 7 s on two, at load 10 on 2 cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -337,7 +337,7 @@ def test_lists_of_configs_and_benchmarks_are_whole():
     names = re.findall(r'"(\w+)"', names)
     bench = " ".join(text(REPO / "bench" / "README.md").split())
     count = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
-             "twelve"][len(names)]
+             "twelve", "thirteen", "fourteen", "fifteen"][len(names)]
     assert f"`python bench/run.py` runs {count} benchmarks" in bench
     assert f"`--only {' '.join(names)}`" in bench
 
