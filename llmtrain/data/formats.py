@@ -158,7 +158,7 @@ class Rows:
     """(rows, pad id) -> a micro-batch; None: the rows have one length and are stacked as they are."""
     index: str | None = None
     """A column numbering the training rows, carried into their batches (pairs: precomputed reference
-    log-probs are looked up by it, llmtrain/reference_cache.py)."""
+    log-probs are looked up by it, llmtrain/train/reference_cache.py)."""
     shown: Callable[[dict], dict] | None = None
     """A stored row -> its other columns `python -m llmtrain.data` prints beside its tokens (a prompt's columns,
     which reach the reward functions)."""

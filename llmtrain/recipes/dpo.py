@@ -10,11 +10,12 @@ from typing import Literal
 
 import torch
 
-from llmtrain import data, reference_cache
+from llmtrain import data
 from llmtrain.config import Config, ConfigError, ranged
 from llmtrain.losses import preference as pl
 from llmtrain.recipes.base import Recipe
 from llmtrain.train.build import base_identity
+from llmtrain.train import reference_cache
 from llmtrain.train.frozen import reference
 from llmtrain.train.step import Share
 

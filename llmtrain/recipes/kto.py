@@ -12,13 +12,14 @@ from typing import Literal
 
 import torch
 
-from llmtrain import data, reference_cache
+from llmtrain import data
 from llmtrain.config import Config, ConfigError, ranged
 from llmtrain.data.unpaired import with_kl_completions
 from llmtrain.losses import kto as kl_lib
 from llmtrain.losses.preference import sequence_logps
 from llmtrain.recipes.base import Recipe
 from llmtrain.train.build import base_identity, build_data, data_source
+from llmtrain.train import reference_cache
 from llmtrain.train.frozen import reference
 from llmtrain.train.step import Share
 

@@ -1,8 +1,9 @@
-"""Precomputed reference log-probs (DPO's dpo.precompute_reference): one pass of the reference over every
-training pair before the first step stores its summed log-prob of each pair's chosen and rejected rows,
-indexed by the pair's position in the tokenized data (the batches' pair_index); training then looks them up
-and holds no reference model. The position, not the order of the pass, is the index: any world size,
-accumulation split or resume reads the right value.
+"""Precomputed reference log-probs (dpo.precompute_reference, kto.precompute_reference): one pass of the
+reference over every training row before the first step stores its summed log-probs (DPO: each pair's chosen
+and rejected rows; KTO: each row's completion and its KL row's), indexed by the row's position in the
+tokenized data (the batches' pair_index); training then looks them up and holds no reference model. The
+position, not the order of the pass, is the index: any world size, accumulation split or resume reads the
+right value.
 
 Cache: reference-logps-<key>/ next to the tokenized pairs (the datasets cache files; output_dir when the
 pairs are not on disk), key = a hash of what decides the values (the reference's weights, the tokenized
