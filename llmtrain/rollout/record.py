@@ -60,8 +60,9 @@ class CompletionLog:
                     "prompt": batch["prompts"][c // G], "completion": text, "tokens": len(ids), "truncated": cut,
                     "rewards": {n: None if v != v else v for n, v in zip(self.names, scores.tolist())},
                     "reward": float(adv.rewards[c]), "advantage": float(adv.advantages[c]),
-                    **({"messages": messages[c - rows.start]} if messages else {})}
-                   for c, text, ids, cut, scores in zip(rows, texts, out.tokens, out.truncated, per_func)
+                    **({"messages": messages[c - rows.start], "tool_tokens": mask.count(0)} if messages else {})}
+                   for c, text, ids, cut, scores, mask in zip(rows, texts, out.tokens, out.truncated, per_func,
+                                                              out.tool_mask or out.tokens)
                    if c // G < LOGGED_PROMPTS]
         parts = distributed.gather_objects(records)
         if self.is_main:

@@ -109,3 +109,30 @@ class ScriptedEngine:
 
     def update_weights(self, step, full):
         pass
+
+
+SFT_CONFIG = """\
+model:
+  config: {hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, num_attention_heads: 4,
+           num_key_value_heads: 2, max_position_embeddings: 512, tie_word_embeddings: true}
+tokenizer: {path: assets/tokenizer}
+data: {path: data/demo/agent/sft.jsonl, format: chat, chat_template: configs/templates/llama3-tools.jinja,
+       seq_len: 384}
+parallel: {strategy: none}
+train: {max_steps: 40, micro_batch_size: 8, grad_accum_steps: 1, lr: 1.0e-2, warmup_steps: 4, seed: 3,
+        lr_schedule: constant}
+log: {every_steps: 10, progress: false}
+"""
+
+GRPO_CONFIG = """\
+model: {path: SFT}
+data: {path: data/demo/agent/prompts.jsonl, format: prompt, chat_template: configs/templates/llama3-tools.jinja,
+       seq_len: 320}
+parallel: {strategy: none}
+train: {max_steps: 4, micro_batch_size: 4, grad_accum_steps: 2, lr: 1.0e-3, warmup_steps: 1, seed: 7,
+        lr_schedule: constant}
+grpo: {num_generations: 4, max_completion_length: 72, num_iterations: 2, beta: 0.0, temperature: 1.2,
+       environment: data/demo/agent/vault.py:Vault, tool_call_format: llama3_json,
+       reward_funcs: [llmtrain.rewards:exact_answer]}
+log: {every_steps: 1, progress: false, completions_every_steps: 1}
+"""
