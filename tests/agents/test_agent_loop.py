@@ -239,3 +239,21 @@ def test_environments(tmp_path):
     ep = ToolUse(agent, [], nan, 4096).run(engine, [user], [{"code": "1"}], [3], [(1, 0, 0, 0)], Sampling(100))
     with pytest.raises(RewardError, match=r"^reward function NaNReward.get_reward returned nan for prompt index 3"):
         score(nan.reward_funcs(), [user], [[]], [[]], {"environments": ep.environments}, [3])
+
+
+def test_bad_tool_keys_exit_2_before_start(tmp_path, run_setup):
+    """recipes/grpo.py refuses, before any process group (exit 2, one line): a function without type hints as a
+    tool, an environment file that does not exist, an environment with no get_reward and no grpo.reward_funcs."""
+    from helpers.grpo import GRPO, write_config
+
+    config = write_config(tmp_path)
+    (tmp_path / "tools.py").write_text(TOOLS)
+    (tmp_path / "env.py").write_text("class NoReward:\n    def reset(self, **row):\n        pass\n")
+    cases = {(f"grpo.tools=[{tmp_path}/tools.py:untyped]",): "grpo.tools[0]: 'untyped' cannot be a tool: ",
+             (f"grpo.environment={tmp_path}/none.py:Env",): f"grpo.environment: '{tmp_path}/none.py:Env': no file",
+             (f"grpo.environment={tmp_path}/env.py:NoReward", "grpo.reward_funcs=[]"):
+                 "grpo.reward_funcs: name at least one reward function"}
+    for overrides, message in cases.items():
+        code, _, err = run_setup(GRPO, "--config", config, f"output_dir={tmp_path / 'out'}", *overrides)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+        assert not (tmp_path / "out").exists()

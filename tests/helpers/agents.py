@@ -133,6 +133,11 @@ train: {max_steps: 4, micro_batch_size: 4, grad_accum_steps: 2, lr: 1.0e-3, warm
         lr_schedule: constant}
 grpo: {num_generations: 4, max_completion_length: 72, num_iterations: 2, beta: 0.0, temperature: 1.2,
        environment: data/demo/agent/vault.py:Vault, tool_call_format: llama3_json,
-       reward_funcs: [llmtrain.rewards:exact_answer]}
+       reward_funcs: [llmtrain.rewards:exact_answer, REWARDS:digits]}
 log: {every_steps: 1, progress: false, completions_every_steps: 1}
+"""
+REWARDS = """\
+def digits(prompts, completions, completion_ids, answer, **kw):
+    # the code's digits the final message has in place: a reward that differs within a group
+    return [sum(a == b for a, b in zip(c[-1]["content"].strip(), code)) / 3 for c, code in zip(completions, answer)]
 """
