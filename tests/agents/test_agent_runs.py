@@ -35,16 +35,17 @@ def runs(tmp_path_factory):
              "fsdp2": (2, ("parallel.strategy=fsdp2", "train.micro_batch_size=2")),
              "part": (2, ("parallel.strategy=ddp", "train.grad_accum_steps=1", "train.max_steps=3",
                           "checkpoint.every_steps=3"))}
-    running = [start_recipe(tmp / key, *overrides, nproc=nproc, config=config, script=GRPO)
-               for key, (nproc, overrides) in specs.items()]
-    for proc in running:
+    started = {key: start_recipe(tmp / key, *overrides, nproc=nproc, config=config, script=GRPO)
+               for key, (nproc, overrides) in specs.items()}
+    for proc in started.values():
         finish_recipe(proc)
-    run_recipe(tmp / "part", "parallel.strategy=fsdp2", "train.micro_batch_size=8", "train.grad_accum_steps=1",
-               config=config, script=GRPO)
+    resumed = ("parallel.strategy=fsdp2", "train.micro_batch_size=8", "train.grad_accum_steps=1")  # onto 1 process
+    run_recipe(tmp / "part", *resumed, config=config, script=GRPO)
     return tmp
 
 
 def records(out) -> list[dict]:
+    """The training steps' records (not the set-up's)."""
     return [r for r in read_metrics(out) if "loss" in r]
 
 
@@ -97,3 +98,10 @@ def test_a_failing_reset_stops_the_run_in_one_line(runs, tmp_path):
     assert len(lines) == 1
     assert re.match(r"error: Broken.reset raised ValueError: no vault \(prompt index \d+\)", lines[0])
     assert not (tmp_path / "out" / "hf").exists()
+
+
+def test_plot_draws_the_tool_metrics(runs):
+    from llmtrain.plot import panels, read_records
+
+    tools = [p for p in panels(read_records(runs / "one" / "metrics.jsonl")) if p.title == "tools/*"]
+    assert [sorted(p.keys) for p in tools] == [["tools/call_frequency", "tools/failure_frequency", "tools/mean_turns"]]
