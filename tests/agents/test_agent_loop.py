@@ -257,3 +257,32 @@ def test_bad_tool_keys_exit_2_before_start(tmp_path, run_setup):
         code, _, err = run_setup(GRPO, "--config", config, f"output_dir={tmp_path / 'out'}", *overrides)
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
         assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.usefixtures("single_process_group")
+def test_several_environments_by_column(tmp_path):
+    """grpo.environment as a mapping: each row's `environment` column picks its class (and so its tools, rendered
+    into its prompt only); a name not in the mapping stops in one line naming it and the row."""
+    (tmp_path / "env.py").write_text(ENV + '''
+class Safe(Vault):
+    def turn_dial(self, steps: int) -> str:
+        """Turn the dial.
+
+        Args:
+            steps: how far
+        """
+        return "click"
+''')
+    tok, stop, agent = make_agent("llama3")
+    envs = Environments({"vault": f"{tmp_path / 'env.py'}:Vault", "safe": f"{tmp_path / 'env.py'}:Safe"})
+    assert sorted(f.name for f in envs.reward_funcs()) == ["Safe", "Vault"]
+    use = ToolUse(agent, [], envs, 4096)
+    engine = ScriptedEngine(tok, stop, {})
+    user = [{"role": "user", "content": "Go."}]
+    ep = use.run(engine, [user, user], [{"code": "1", "environment": "vault"}, {"code": "2", "environment": "safe"}],
+                 [0, 1], [(0, 0, 0, 0), (1, 0, 0, 0)], Sampling(4))
+    assert [type(e).__name__ for e in ep.environments] == ["Vault", "Safe"]
+    assert ["turn_dial" in tok.decode(ids) for ids in ep.prompt_ids] == [False, True]
+    with pytest.raises(AgentError, match=r"^grpo.environment: prompt index 5 has environment 'box'; choose one of "
+                                         r"vault, safe$"):
+        use.run(engine, [user], [{"code": "1", "environment": "box"}], [5], [(0, 0, 0, 0)], Sampling(4))
