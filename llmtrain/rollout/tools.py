@@ -175,8 +175,8 @@ class Outcome(NamedTuple):
     failed: bool
 
     def message(self) -> dict:
-        content = self.result if isinstance(self.result, str) else json.dumps(self.result, default=str)
-        return {"role": "tool", "name": self.name, "content": content}
+        """The tool message, its content str(result) as TRL 1.16 writes it (so {'error': '...'} for a failure)."""
+        return {"role": "tool", "name": self.name, "content": str(self.result)}
 
 
 def _invoke(fn: Callable, arguments: dict) -> Any:
@@ -205,7 +205,7 @@ def run_calls(rows: list[tuple[dict[str, Tool], list[ToolCall]]], pool: int, tim
                     try:
                         box.append(Outcome(call.name, _invoke(fn, call.arguments), False))
                     except Exception as e:  # the user's tool: its error goes back to the model (TRL)
-                        box.append(Outcome(call.name, {"error": f"{type(e).__name__}: {e}"}, True))
+                        box.append(Outcome(call.name, {"error": str(e)}, True))
                 thread = threading.Thread(target=work, daemon=True)
                 thread.start()
                 threads.append((i, call, thread, box))
