@@ -1,9 +1,10 @@
 """recipes/grpo.py with tools end to end: a tiny Llama given a short SFT on data/demo/agent/sft.jsonl (tool-calling
 conversations) so that it calls read_code, then GRPO in data/demo/agent/vault.py's environment (2 prompts x 4
-trajectories a step, num_iterations 2, the local engine). One process, 2 ranks fsdp2 with another split, and 2 ranks
-ddp stopped at step 3 (in a generation batch) then resumed on one process fsdp2, sample the same trajectories (their
-messages) and log the same losses, rewards and tool metrics; the length metrics count the model's tokens only. An
-environment whose reset raises stops the run with one line naming its class and the row (exit 1, no export)."""
+trajectories a step, num_iterations 2, the local engine). One process, 2 ranks fsdp2 with another split, 2 ranks fsdp
+(lockstep decoding) and 2 ranks ddp stopped at step 3 (in a generation batch) then resumed on one process fsdp2,
+sample the same trajectories (their messages) and log the same losses, rewards and tool metrics; the length metrics
+count the model's tokens only; the transformers engine's log-probs line up with the trained tokens. An environment
+whose reset raises stops the run with one line naming its class and the row (exit 1, no export)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def runs(tmp_path_factory):
     specs = {"one": (1, ()),
              "transformers": (1, ("rollout.engine=transformers", "train.max_steps=2")),
              "fsdp2": (2, ("parallel.strategy=fsdp2", "train.micro_batch_size=2")),
+             "fsdp": (2, ("parallel.strategy=fsdp", "train.grad_accum_steps=1")),  # lockstep: every turn collective
              "part": (2, ("parallel.strategy=ddp", "train.grad_accum_steps=1", "train.max_steps=3",
                           "checkpoint.every_steps=3"))}
     started = {key: start_recipe(tmp / key, *overrides, nproc=nproc, config=config, script=GRPO)
@@ -78,7 +80,7 @@ def test_tools_are_called_and_lengths_count_the_model_tokens(runs, engine):
         sum(sum(m["role"] == "assistant" for m in r["messages"]) for r in first) / len(first))
 
 
-@pytest.mark.parametrize("other", ["fsdp2", "part"])
+@pytest.mark.parametrize("other", ["fsdp2", "fsdp", "part"])
 def test_same_trajectories_and_losses_at_one_and_two_ranks(runs, other):
     base, got = records(runs / "one"), records(runs / other)
     assert [r["step"] for r in got] == [1, 2, 3, 4] and len(base) == 4
