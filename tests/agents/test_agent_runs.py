@@ -71,7 +71,7 @@ def test_tools_are_called_and_lengths_count_the_model_tokens(runs, engine):
     step1 = records(runs / engine)[0]
     assert step1["sampling/logprob_diff/max"] < (1e-4 if engine == "one" else 1e-3)
     if engine == "one":  # a reward that differs within groups: the parity below compares real losses
-        assert step1["loss"] != 0 and step1["reward_std"] > 0
+        assert all(r["loss"] != 0 and r["reward_std"] > 0 for r in records(runs / engine))
     assert step1["completions/mean_length"] == pytest.approx(
         sum(r["tokens"] - r["tool_tokens"] for r in first) / len(first))
     calls = sum(len(m.get("tool_calls", [])) for r in first for m in r["messages"])

@@ -138,6 +138,7 @@ log: {every_steps: 1, progress: false, completions_every_steps: 1}
 """
 REWARDS = """\
 def digits(prompts, completions, completion_ids, answer, **kw):
-    # the code's digits the final message has in place: a reward that differs within a group
-    return [sum(a == b for a, b in zip(c[-1]["content"].strip(), code)) / 3 for c, code in zip(completions, answer)]
+    # the code's digits the final message has in place, and its length: a reward that differs within every group
+    return [(sum(a == b for a, b in zip(c[-1]["content"].strip(), code)) + len(c[-1]["content"]) / 10) / 3
+            for c, code in zip(completions, answer)]
 """
