@@ -102,7 +102,8 @@ class Agent:
         n, budget, seconds = len(prompt_ids), sampling.max_tokens, out.seconds
         ids, logps = [list(t) for t in out.tokens], [list(x) for x in out.logps]
         mask, truncated, turns = [[1] * len(t) for t in ids], list(out.truncated), [1] * n
-        parsed = [self.parse(t) for t in ids]
+        schemas = [[t.schema for t in row.values()] for row in tools]
+        parsed = [self.parse(t, p, s) for t, p, s in zip(ids, prompt_ids, schemas)]
         messages = [[assistant_message(p)] for p in parsed]
         calls = failures = 0
         pending = [i for i in range(n) if parsed[i].calls and not truncated[i]]
@@ -131,14 +132,14 @@ class Agent:
                                   [(*keys[i], turn) for i in rows] or [(0,)], step)
             seconds += got.seconds
             for j, i in enumerate(rows):
-                room = budget - len(ids[i])
+                room, before = budget - len(ids[i]), prompt_ids[i] + ids[i]
                 tokens, cut = got.tokens[j][:room], got.truncated[j] or len(got.tokens[j]) > room
                 ids[i] += tokens
                 mask[i] += [1] * len(tokens)
                 logps[i] += got.logps[j][:room]
                 truncated[i], turns[i] = cut, turns[i] + 1
                 parsed[i] = Parsed(self.tokenizer.decode(tokens, skip_special_tokens=True), []) if cut else \
-                    self.parse(tokens)
+                    self.parse(tokens, before, schemas[i])
                 messages[i].append(assistant_message(parsed[i]))
             pending = [i for i in rows if parsed[i].calls and not truncated[i]]
         return Trajectories(Completions(ids, truncated, logps, seconds, mask), messages, calls, failures, turns)

@@ -148,8 +148,9 @@ def has_response_template(tokenizer) -> bool:
 
 
 class CallParser:
-    """grpo.tool_call_format: auto (the tokenizer's response template, transformers' parse_response) or one of
-    PARSERS on the turn's text (its stop token left out). Called on the ids one turn sampled."""
+    """grpo.tool_call_format: auto (the tokenizer's response template, transformers' parse_response, given the
+    prompt and turns before it and the row's tools' schemas, as TRL calls it) or one of PARSERS on the turn's text
+    (its stop token left out). Called on the ids one turn sampled."""
 
     def __init__(self, fmt: str, tokenizer, stop_ids: list[int]):
         if fmt == "auto" and not has_response_template(tokenizer):
@@ -157,9 +158,9 @@ class CallParser:
                               f"has none; choose one of {', '.join(PARSERS)}")
         self.fmt, self.tokenizer, self.stop = fmt, tokenizer, set(stop_ids)
 
-    def __call__(self, ids: list[int]) -> Parsed:
+    def __call__(self, ids: list[int], prefix: list[int], tools: list[dict]) -> Parsed:
         if self.fmt == "auto":
-            message = self.tokenizer.parse_response(ids)
+            message = self.tokenizer.parse_response(ids, prefix=prefix, tools=tools or None)
             calls = [_call({"name": c["function"]["name"], "arguments": c["function"].get("arguments", {})},
                            "arguments") for c in message.get("tool_calls") or []]
             return Parsed(message.get("content") or "", calls)

@@ -286,3 +286,31 @@ class Safe(Vault):
     with pytest.raises(AgentError, match=r"^grpo.environment: prompt index 5 has environment 'box'; choose one of "
                                          r"vault, safe$"):
         use.run(engine, [user], [{"code": "1", "environment": "box"}], [5], [(0, 0, 0, 0)], Sampling(4))
+
+
+@pytest.mark.usefixtures("single_process_group")
+def test_auto_reads_calls_with_the_tokenizers_response_template(tools):
+    """grpo.tool_call_format=auto: the tokenizer's parse_response gets each turn's ids with what came before them
+    (prompt and earlier turns, as ids) and the row's tools' schemas, as TRL calls it; its tool_calls are the calls."""
+    tok, stop, _ = make_agent("llama3")
+    seen = []
+
+    def parse_response(ids, prefix, tools):
+        seen.append((list(ids), list(prefix), [t["function"]["name"] for t in tools]))
+        text = tok.decode(ids[:-1])
+        calls = [{"type": "function", "function": json.loads(text.replace("parameters", "arguments"))}] \
+            if text.startswith("{") else []
+        return {"role": "assistant", "content": "" if calls else text, "tool_calls": calls}
+
+    tok.response_template, tok.parse_response = {"stand-in": True}, parse_response
+    agent = Agent(tok, CallParser("auto", tok, [stop]), [stop], tok.pad_token_id, None, 5.0, 2,
+                  __import__("torch").device("cpu"))
+    engine = ScriptedEngine(tok, stop, {(0, 0): CALL["llama3"]("lookup", {"key": "y"}), (0, 1): "Seven."})
+    prompt = agent.prompt_ids([{"role": "user", "content": "y?"}], tools, 4096)
+    out = agent.run(engine, [prompt], [(0, 0, 0, 0)], Sampling(1000), [{t.name: t for t in tools}])
+    assert out.messages[0][1:] == [{"role": "tool", "name": "lookup", "content": "7"},
+                                   {"role": "assistant", "content": "Seven."}]
+    ids = out.completions.tokens[0]
+    first = len(seen[0][0])
+    assert seen[0][1] == prompt and seen[1][1] == prompt + ids[:len(ids) - len(seen[1][0])]
+    assert seen[0][2] == ["lookup", "add", "broken", "slow"] and ids[:first] == seen[0][0]

@@ -59,7 +59,7 @@ def test_tool_conversation_masks(style):
     (a, b), (c, d) = runs_of(labels)
     prompt = agent.prompt_ids(RECORD["messages"][:1], [type("T", (), {"schema": SCHEMA})()], 4096)
     assert ids[:d] == prompt + ids[a:b] + agent.suffix_ids([RECORD["messages"][2]]) + ids[c:d]
-    assert ids[:a] == prompt and agent.parse(ids[a:b]).calls[0][:2] == ("lookup", {"key": "x"})
+    assert ids[:a] == prompt and agent.parse(ids[a:b], ids[:a], [SCHEMA]).calls[0][:2] == ("lookup", {"key": "x"})
 
 
 def test_a_template_without_tools_refuses_in_one_line():
