@@ -143,17 +143,13 @@ def _split_objects(body: str) -> list[str]:
 PARSERS: dict[str, Callable[[str], Parsed]] = {"hermes": parse_hermes, "llama3_json": parse_llama3_json}
 
 
-def has_response_template(tokenizer) -> bool:
-    return any(getattr(tokenizer, a, None) is not None for a in ("response_template", "response_schema"))
-
-
 class CallParser:
     """grpo.tool_call_format: auto (the tokenizer's response template, transformers' parse_response, given the
     prompt and turns before it and the row's tools' schemas, as TRL calls it) or one of PARSERS on the turn's text
     (its stop token left out). Called on the ids one turn sampled."""
 
     def __init__(self, fmt: str, tokenizer, stop_ids: list[int]):
-        if fmt == "auto" and not has_response_template(tokenizer):
+        if fmt == "auto" and getattr(tokenizer, "response_template", None) is None:  # what parse_response reads
             raise ConfigError("grpo.tool_call_format: auto reads the tokenizer's response template and this tokenizer "
                               f"has none; choose one of {', '.join(PARSERS)}")
         self.fmt, self.tokenizer, self.stop = fmt, tokenizer, set(stop_ids)
