@@ -76,10 +76,50 @@ def chat_messages(record: dict, section: DataConfig) -> list[dict]:
     return messages
 
 
+def tool_conversation(record: dict, section: DataConfig) -> tuple[list[dict], list[dict]] | None:
+    """A tool-calling conversation (TRL's SFT format): a `tools` column (JSON schemas, or their JSON text),
+    assistant messages carrying `tool_calls`, `tool` messages -> (messages, tools); None for a plain chat."""
+    raw, tools = record.get(section.messages_field), record.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise BadRecord(f"field 'tools' is not JSON: {e.msg}") from None
+    calling = isinstance(raw, list) and any(isinstance(m, dict) and (m.get("role") == "tool" or m.get("tool_calls"))
+                                           for m in raw)
+    if tools is None and not calling:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise BadRecord("field 'tools' must be a list of JSON schemas (transformers' get_json_schema)")
+    if not isinstance(raw, list) or not raw:
+        raise BadRecord(f"no {section.messages_field!r} field")
+    messages = []
+    for turn in raw:
+        role = turn.get("role") if isinstance(turn, dict) else None
+        if role not in ("system", "user", "assistant", "tool"):
+            raise BadRecord(f"unknown role {role!r}" if isinstance(turn, dict) else "a turn is not a mapping")
+        calls = turn.get("tool_calls") if role == "assistant" else None
+        if calls is not None and not (isinstance(calls, list) and all(
+                isinstance(c, dict) and isinstance(c.get("function", {}).get("name"), str) for c in calls)):
+            raise BadRecord("an assistant turn's tool_calls must be [{'type': 'function', 'function': {'name': ..., "
+                            "'arguments': {...}}}, ...]")
+        if not isinstance(turn.get("content"), str) and not calls:
+            raise BadRecord(f"a {role} turn has no text 'content'")
+        messages.append({k: v for k, v in turn.items() if k in ("role", "content", "tool_calls", "name")})
+    if not any(m["role"] == "assistant" for m in messages):
+        raise BadRecord("no assistant turn")
+    return messages, tools
+
+
 def encode_chat(record: dict, section: DataConfig, tokenizer) -> tuple[list[int], list[int]]:
     """The tokenizer's chat template renders the conversation; the trained tokens are read from that
     same rendering: from its {% generation %} blocks when it has them, else by locating each assistant
-    message in the rendered text (token offsets), plus the end-of-turn token that closes it."""
+    message in the rendered text (token offsets), plus the end-of-turn token that closes it. A tool-calling
+    conversation (tool_conversation) is rendered with tools= and needs the blocks: the assistant's calls and
+    answers are trained, the tool results are not."""
+    tooled = tool_conversation(record, section)
+    if tooled is not None:
+        return _encode_tool_chat(*tooled, section, tokenizer)
     messages = chat_messages(record, section)
     try:
         if GENERATION_BLOCK.search(tokenizer.chat_template):
@@ -94,6 +134,24 @@ def encode_chat(record: dict, section: DataConfig, tokenizer) -> tuple[list[int]
         raise BadRecord("the chat template rendered no assistant tokens")
     labels = list(ids) if section.train_on_prompt else [t if m else IGNORE for t, m in zip(ids, mask)]
     return ids, labels
+
+
+def _encode_tool_chat(messages: list[dict], tools: list[dict], section: DataConfig,
+                      tokenizer) -> tuple[list[int], list[int]]:
+    template = tokenizer.chat_template
+    if "tool_calls" not in template or not GENERATION_BLOCK.search(template):
+        raise BadRecord("a tool-calling conversation needs a chat template that renders tool_calls and marks the "
+                        "assistant's turns with {% generation %}; set data.chat_template (e.g. "
+                        "configs/templates/llama3-tools.jinja or chatml-tools.jinja)")
+    try:
+        out = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+    except TemplateError as e:
+        raise BadRecord(f"the chat template refuses this conversation: {e}") from None
+    ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+    if not any(mask):
+        raise BadRecord("the chat template rendered no assistant tokens")
+    return ids, list(ids) if section.train_on_prompt else [t if m else IGNORE for t, m in zip(ids, mask)]
 
 
 def _mask_by_offsets(messages: list[dict], tokenizer) -> tuple[list[int], list[int]]:

@@ -65,6 +65,8 @@ class Completions(NamedTuple):
     logps: list[list[float]]    # per completion, the engine's log-prob of each of its tokens under the distribution
                                 # it sampled from (logits / temperature, after top-k / top-p): the drift guard's
     seconds: float              # sampling time on this rank
+    tool_mask: list[list[int]] | None = None  # a multi-turn trajectory's (llmtrain.rollout.agent): 1 for the model's
+                                # tokens, 0 for the tool messages' rendered between its turns (logps 0 there)
 
 
 class Engine(Protocol):

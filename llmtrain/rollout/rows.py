@@ -19,13 +19,16 @@ from llmtrain.rollout.local import CompletionGrid, from_lists
 
 
 def training_rows(prompts: list[list[int]], completions: CompletionGrid, pad_id: int,
-                  mask_truncated: bool) -> dict[str, torch.Tensor]:
+                  mask_truncated: bool, tool_mask: list[list[int]] | None = None) -> dict[str, torch.Tensor]:
     """The rows the loss scores (TokenLoss.token_logps): prompt + completion, right-padded, with
     position_ids from 0 and labels = the completion's tokens (its EOS included), IGNORE elsewhere, and
     for a truncated completion too when mask_truncated (grpo.mask_truncated_completions: it still counts
-    as a completion in grpo's and dr_grpo's denominators, as in TRL)."""
+    as a completion in grpo's and dr_grpo's denominators, as in TRL). A multi-turn trajectory's tool tokens
+    (tool_mask 0, TRL's) are context only: IGNORE, so out of the loss, its token counts and the drift guard."""
     ids, mask = completions.ids.cpu(), completions.mask.cpu()
     keep = mask & ~completions.truncated.cpu()[:, None] if mask_truncated else mask
+    if tool_mask is not None:
+        keep = keep & from_lists(tool_mask, [False] * len(tool_mask), 0).ids.bool()[:, :keep.shape[1]]
     width = max(len(p) for p in prompts) + ids.shape[1]
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     labels = torch.full_like(input_ids, IGNORE)
@@ -39,13 +42,14 @@ def training_rows(prompts: list[list[int]], completions: CompletionGrid, pad_id:
 
 
 def micro_batches(prompts: list[list[int]], tokens: list[list[int]], truncated: list[bool], pad_id: int, n: int,
-                  mask_truncated: bool, device: torch.device) -> list[dict[str, torch.Tensor]]:
+                  mask_truncated: bool, device: torch.device,
+                  tool_mask: list[list[int]] | None = None) -> list[dict[str, torch.Tensor]]:
     """Completion i of prompt i (each completion's tokens, its first EOS included) -> training rows in
     micro-batches of n, on `device`."""
     out = []
     for i in range(0, len(tokens), n):
         rows = training_rows(prompts[i:i + n], from_lists(tokens[i:i + n], truncated[i:i + n], pad_id), pad_id,
-                             mask_truncated)
+                             mask_truncated, None if tool_mask is None else tool_mask[i:i + n])
         out.append({k: v.to(device) for k, v in rows.items()})
     return out
 
@@ -58,15 +62,17 @@ def completion_mask(batch: dict) -> torch.Tensor:
 
 def policy_rows(prompt_ids: list[list[int]], tokens: list[list[int]], truncated: list[bool], advantages: list[float],
                 engine_logps: list[list[float]], rows: range, n: int, pad_id: int, mask_truncated: bool,
-                device: torch.device) -> list[dict[str, torch.Tensor]]:
+                device: torch.device, tool_mask: list[list[int]] | None = None) -> list[dict[str, torch.Tensor]]:
     """Micro-batches of n training rows (completion i of prompt_ids[i]) with their advantages, the engine's log-probs
-    of the trained tokens (engine_logps; a completion left out of the loss, mask_truncated, has none) and
-    SAMPLE_INDEX, the completion's index in the step's global order (rows: this rank's), which keys its dropout."""
-    micro = micro_batches(prompt_ids, tokens, truncated, pad_id, n, mask_truncated, device)
+    of the trained tokens (engine_logps; a completion left out of the loss, mask_truncated, has none; a trajectory's
+    tool tokens, tool_mask 0, neither) and SAMPLE_INDEX, the completion's index in the step's global order (rows:
+    this rank's), which keys its dropout."""
+    micro = micro_batches(prompt_ids, tokens, truncated, pad_id, n, mask_truncated, device, tool_mask)
+    model_tokens = tool_mask or [[1] * len(row) for row in engine_logps]
     for i, b in enumerate(micro):
         part = slice(i * n, (i + 1) * n)
-        trained = [x for row, cut in zip(engine_logps[part], truncated[part]) if not (cut and mask_truncated)
-                   for x in row]
+        trained = [x for row, cut, m in zip(engine_logps[part], truncated[part], model_tokens[part])
+                   if not (cut and mask_truncated) for x, own in zip(row, m) if own]
         b.update(advantages=torch.tensor(advantages[part], device=device),
                  engine_logps=to_grid(torch.tensor(trained, device=device), completion_mask(b)))
         b[SAMPLE_INDEX] = torch.tensor(rows[part], device=device)
@@ -106,7 +112,8 @@ def reference_logps(ref, micro: list[dict], temperature: float) -> list[torch.Te
 class GenerationBatch:
     """A generation batch, every rank's completions in the step's global order, JSON-able (a checkpoint's source
     state): their tokens, truncation, advantages, and the log-probs of their trained tokens: the trainer's at
-    sampling time (old), the reference's (ref), the engine's (engine); and the batch's logged metrics."""
+    sampling time (old), the reference's (ref), the engine's (engine); and the batch's logged metrics; for
+    multi-turn trajectories (llmtrain.rollout.agent) their tool_mask and the prompts' ids as rendered with tools."""
     step: int                          # the generation batch's index
     completions: list[list[int]]
     truncated: list[bool]
@@ -115,13 +122,17 @@ class GenerationBatch:
     ref: list[list[float]] | None
     engine: list[list[float]] | None
     metrics: dict
+    tool_mask: list[list[int]] | None = None
+    prompt_ids: list[list[int]] | None = None
 
     @classmethod
-    def gathered(cls, step: int, tokens, truncated, advantages, old, ref, engine, metrics: dict) -> GenerationBatch:
+    def gathered(cls, step: int, tokens, truncated, advantages, old, ref, engine, metrics: dict, tool_mask=None,
+                 prompt_ids=None) -> GenerationBatch:
         """Collective: from this rank's parts, every rank's (in rank order: the global order)."""
-        parts = distributed.gather_objects((tokens, truncated, old, ref, engine))
-        joined = [sum((p[i] for p in parts), []) if parts[0][i] is not None else None for i in range(5)]
-        return cls(step, joined[0], joined[1], advantages, joined[2], joined[3], joined[4], metrics)
+        parts = distributed.gather_objects((tokens, truncated, old, ref, engine, tool_mask, prompt_ids))
+        joined = [sum((p[i] for p in parts), []) if parts[0][i] is not None else None for i in range(7)]
+        return cls(step, joined[0], joined[1], advantages, joined[2], joined[3], joined[4], metrics, joined[5],
+                   joined[6])
 
     @classmethod
     def from_state(cls, state: dict) -> GenerationBatch:
@@ -133,4 +144,5 @@ class GenerationBatch:
         cut = lambda v: None if v is None else v[rows.start:rows.stop]  # noqa: E731
         return dataclasses.replace(self, completions=cut(self.completions), truncated=cut(self.truncated),
                                    advantages=cut(self.advantages), old=cut(self.old), ref=cut(self.ref),
-                                   engine=cut(self.engine))
+                                   engine=cut(self.engine), tool_mask=cut(self.tool_mask),
+                                   prompt_ids=cut(self.prompt_ids))

@@ -27,18 +27,20 @@ class Scorer:
         self.funcs, self.weights, self.G, self.scale = funcs, weights, num_generations, scale_rewards
         self.timeout_s, self.rank, self.device = timeout_s, rank, device
 
-    def score(self, batch: dict, rows: range, tokens: list[list[int]], texts: list[str], step: int) -> Scores:
+    def score(self, batch: dict, rows: range, tokens: list[list[int]], texts: list[str], step: int,
+              trajectories: list[list[dict]] | None = None, extra: dict[str, list] | None = None) -> Scores:
         """Collective. batch: the step's prompts (every rank's: prompts, columns, prompt_index); rows: this rank's
         completions in the global order (completion c of prompt c // G); tokens, texts: theirs; step: the step
-        they train (1-based, for the log)."""
+        they train (1-based, for the log); trajectories: multi-turn ones' messages (the completions the functions
+        get, as in TRL); extra: more columns, one value per completion (TRL's `environments`)."""
         at = [c // self.G for c in rows]
         prompts = [batch["prompts"][i] for i in at]
-        completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
-                       for t, p in zip(texts, prompts)]
+        completions = trajectories or [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
+                                       for t, p in zip(texts, prompts)]
         columns = [batch["columns"][i] for i in at]
         names = sorted({k for c in columns for k in c})
         per_func = torch.tensor(rewards.score_everywhere(
-            self.funcs, prompts, completions, tokens, {k: [c.get(k) for c in columns] for k in names},
+            self.funcs, prompts, completions, tokens, {k: [c.get(k) for c in columns] for k in names} | (extra or {}),
             [int(batch["prompt_index"][i]) for i in at], self.timeout_s, self.rank), dtype=torch.float64)
         scores = distributed.gather_rows(per_func.to(self.device)).cpu()
         adv = policy.group_advantages(scores, self.weights, self.G, self.scale)

@@ -26,7 +26,15 @@ rewards/<func>/mean and /std, frac_reward_zero_std, kl (grpo.beta > 0), completi
 generated_tokens_per_s, and the drift guard's sampling/logprob_diff/mean, /max, sampling/importance_ratio/min,
 /mean, /max (grpo.importance_correction); log.completions_every_steps: sampled completions to
 output_dir/completions.jsonl.
+
+Tool use (grpo.tools, grpo.environment; docs/agents.md): multi-turn trajectories, tools/call_frequency,
+/failure_frequency and /mean_turns logged, completions.jsonl's records carry the trajectories' messages.
 """
+
+def environment_file(value) -> str | None:
+    """The file grpo.environment reads (one factory; a mapping's are checked when loaded)."""
+    return rewards.file_of(value) if isinstance(value, str) else None
+
 
 @dataclass
 class GRPOSection:
@@ -75,6 +83,27 @@ class GRPOSection:
     importance_level: Literal["token", "sequence"] = "token"
     """grpo.importance_correction's ratio per token, or per completion (exp of the sum of its tokens' log-prob
     differences, applied to all its tokens; TRL's sequence_* modes)."""
+    tools: list[str] = input_path(rewards.file_of, default_factory=list)
+    """Tools the model may call (TRL's tools=): "path/to/file.py:function" or "package.module:function", plain
+    functions (sync or async) with type hints and a Google-style docstring; their JSON schemas (transformers'
+    get_json_schema) are rendered into each prompt by the chat template's tools=. Needs chat prompts and a chat
+    template that renders tools (docs/agents.md)."""
+    environment: str | dict | None = input_path(environment_file, default=None)
+    """An environment class or factory (TRL's environment_factory=), "path/to/file.py:Factory", one instance per
+    trajectory: reset(**row) may return text appended to the last user message, its public methods are tools, its
+    get_reward() a reward (rewards/<Class>/...; grpo.reward_funcs become optional). Or a mapping name: Factory with
+    an `environment` column choosing one per row."""
+    tool_call_format: Literal["auto", "hermes", "llama3_json"] = "auto"
+    """How tool calls are read from a sampled turn: auto (the tokenizer's response template, transformers'
+    parse_response; refused when it has none), hermes (Qwen / Hermes <tool_call>{"name": ..., "arguments": ...}
+    </tool_call>), llama3_json (Llama 3.x: the message is {"name": ..., "parameters": ...})."""
+    max_tool_calling_iterations: int | None = ranged("[0, inf)", default=None)
+    """Rounds of tool calls (then sampling again) per trajectory at most (TRL's name; None: until the model stops
+    calling or grpo.max_completion_length, which bounds the whole trajectory, is reached)."""
+    tool_timeout_s: float = ranged("(0, inf)", default=30.0)
+    """Seconds one tool call may take; beyond, it is a failure ({"error": ...} goes back to the model)."""
+    max_concurrent_tool_calls: int = ranged("[1, inf)", default=8)
+    """Tool calls of different trajectories run at once on a rank (a bounded pool of threads)."""
     reward_timeout_s: float | None = ranged("(0, inf)", default=None)
     """Seconds a reward function's call may take on a rank; beyond, the run stops (exit 1) with one line naming
     the function and the rank. Must be below distributed.timeout_s (None: half of it)."""
@@ -87,14 +116,18 @@ class GRPOConfig(Config):
     rollout: RolloutSection = field(default_factory=RolloutSection)
 
 
-def check(section: GRPOSection) -> None:
+def check(section: GRPOSection, environment_rewards: int = 0) -> None:
     """Set-up checks across grpo.* keys (each key's own range and choices are load_config's: GRPOSection's
-    ranged and Literal fields)."""
-    if not section.reward_funcs:
-        raise ConfigError("grpo.reward_funcs: name at least one reward function, e.g. [llmtrain.rewards:exact_answer]")
-    if section.reward_weights and len(section.reward_weights) != len(section.reward_funcs):
+    ranged and Literal fields); environment_rewards: the get_reward functions of grpo.environment's classes."""
+    funcs = len(section.reward_funcs) + environment_rewards
+    if not funcs:
+        raise ConfigError("grpo.reward_funcs: name at least one reward function, e.g. [llmtrain.rewards:exact_answer] "
+                          "(or give grpo.environment a get_reward method)")
+    if section.reward_weights and len(section.reward_weights) != funcs:
         raise ConfigError(f"grpo.reward_weights: {len(section.reward_weights)} weights for "
-                          f"{len(section.reward_funcs)} grpo.reward_funcs; give one per function")
+                          f"{len(section.reward_funcs)} grpo.reward_funcs"
+                          f"{f' and {environment_rewards} environment get_reward' if environment_rewards else ''}; "
+                          "give one per function")
 
 
 def check_batch(cfg: GRPOConfig, world_size: int) -> None:

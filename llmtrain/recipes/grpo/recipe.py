@@ -13,13 +13,15 @@ from llmtrain.config import ConfigError
 from llmtrain.losses import policy
 from llmtrain.recipes.base import Recipe
 from llmtrain.recipes.grpo.config import USAGE, GRPOConfig, GRPOSection, check, check_batch
+from llmtrain.rollout.agent import Agent, Environments, ToolUse
 from llmtrain.rollout.engine import Sampling
-from llmtrain.rollout.record import CompletionLog, completion_metrics
+from llmtrain.rollout.record import CompletionLog, completion_metrics, tool_metrics
 from llmtrain.rollout.registry import Rollout, build as build_rollout
 from llmtrain.rollout.rows import (GenerationBatch, attach_logps, attach_saved_logps, completion_mask, policy_rows,
                                    reference_logps, trainer_logps)
 from llmtrain.rollout.scoring import Scorer
 from llmtrain.rollout.section import check_engine
+from llmtrain.rollout.tools import CallParser, load_tools
 from llmtrain.train.build import Run, build_data
 from llmtrain.train.frozen import FrozenModel, reference
 from llmtrain.train.source import Batch
@@ -78,9 +80,10 @@ class Rollouts:
     num_iterations times. Its state (num_iterations > 1) is the generation batch, every rank's
     (rows.GenerationBatch)."""
 
-    def __init__(self, run: Run, prompts: PromptSteps, rollout: Rollout, scorer: Scorer, ref: FrozenModel | None):
+    def __init__(self, run: Run, prompts: PromptSteps, rollout: Rollout, scorer: Scorer, ref: FrozenModel | None,
+                 tool_use: ToolUse | None):
         self.run, self.section, self.prompts, self.rollout, self.scorer = run, run.cfg.grpo, prompts, rollout, scorer
-        self.ref, self.held = ref, None
+        self.ref, self.held, self.tool_use = ref, None, tool_use
         g = self.section
         self.sampling = Sampling(g.max_completion_length, g.temperature, g.top_p, g.top_k)
         self.log = CompletionLog(run.cfg.output_dir, run.env.is_main, g.num_generations, [f.name for f in scorer.funcs])
@@ -111,44 +114,61 @@ class Rollouts:
         run, g, rows, step = self.run, self.section, self.rows, self.run.state.step
         G, cfg = g.num_generations, run.cfg
         self.rollout.weights.push(step)
-        out = self.rollout.engine.generate(
-            [prompts["prompt_ids"][c // G] for c in rows],
-            [(cfg.train.seed, index, int(prompts["prompt_index"][c // G]), c % G) for c in rows], self.sampling)
+        keys = [(cfg.train.seed, index, int(prompts["prompt_index"][c // G]), c % G) for c in rows]
+        prompt_ids, messages, extra = [prompts["prompt_ids"][c // G] for c in rows], None, {}
+        if self.tool_use is None:
+            out = self.rollout.engine.generate(prompt_ids, keys, self.sampling)
+        else:
+            self.tool_use.check_prompts(prompts["prompts"], prompts["prompt_index"].tolist())
+            at = [c // G for c in rows]
+            episode = self.tool_use.run(self.rollout.engine, [prompts["prompts"][i] for i in at],
+                                        [prompts["columns"][i] for i in at],
+                                        [int(prompts["prompt_index"][i]) for i in at], keys, self.sampling)
+            out, messages, prompt_ids = episode.trajectories.completions, episode.trajectories.messages, \
+                episode.prompt_ids
+            extra = {} if episode.environments is None else {"environments": episode.environments}
         texts = run.tokenizer.batch_decode(out.tokens, skip_special_tokens=True)
-        scores = self.scorer.score(prompts, rows, out.tokens, texts, step + 1)
+        scores = self.scorer.score(prompts, rows, out.tokens, texts, step + 1, messages, extra)
         if scores.note:
             run.metrics.info(scores.note)
         metrics = {**scores.metrics, **completion_metrics(out, run.env.device)}
+        if self.tool_use is not None:
+            t = episode.trajectories
+            metrics |= tool_metrics(t.calls, t.failures, t.turns, run.env.device)
         advantages = scores.advantages.advantages[rows.start:rows.stop].tolist()
-        micro = self.training_rows(prompts, out.tokens, out.truncated, advantages, out.logps)
+        micro = self.training_rows(prompt_ids, out.tokens, out.truncated, advantages, out.logps, out.tool_mask)
         t = g.temperature
         old = (attach_logps(micro, "old_logps", trainer_logps(run.token_loss, run.model, run.autocast, micro, t))
                if g.num_iterations > 1 else None)
         ref = attach_logps(micro, "ref_logps", reference_logps(self.ref, micro, t)) if self.ref else None
         every_n = cfg.log.completions_every_steps
         if every_n and index % every_n == 0:
-            self.log.write(step + 1, prompts, rows, texts, out, scores.per_func, scores.advantages)
+            self.log.write(step + 1, prompts, rows, texts, out, scores.per_func, scores.advantages, messages)
         if g.num_iterations > 1:  # every rank's part, for a checkpoint in the middle of the batch
             self.held = GenerationBatch.gathered(index, out.tokens, out.truncated,
-                                                 scores.advantages.advantages.tolist(), old, ref, out.logps, metrics)
+                                                 scores.advantages.advantages.tolist(), old, ref, out.logps, metrics,
+                                                 out.tool_mask, prompt_ids if self.tool_use else None)
         return micro, metrics
 
     def restore(self, prompts: dict) -> tuple[list[dict], dict]:
         """A resume in the middle of a generation batch: this rank's micro-batches from the checkpoint's."""
         part = self.held.part(self.rows)
-        micro = self.training_rows(prompts, part.completions, part.truncated, part.advantages, part.engine)
+        G = self.section.num_generations
+        prompt_ids = part.prompt_ids or [prompts["prompt_ids"][c // G] for c in self.rows]
+        micro = self.training_rows(prompt_ids, part.completions, part.truncated, part.advantages, part.engine,
+                                   part.tool_mask)
         for name, saved in (("old_logps", part.old), ("ref_logps", part.ref)):
             if saved is not None:
                 attach_saved_logps(micro, name, saved, self.run.cfg.train.micro_batch_size)
         return micro, part.metrics
 
-    def training_rows(self, prompts: dict, tokens: list[list[int]], truncated: list[bool], advantages: list[float],
-                      engine_logps: list[list[float]]) -> list[dict]:
-        """This rank's micro-batches of training rows (rows.policy_rows)."""
-        g, rows = self.section, self.rows
-        return policy_rows([prompts["prompt_ids"][c // g.num_generations] for c in rows], tokens, truncated,
-                           advantages, engine_logps, rows, self.run.cfg.train.micro_batch_size, self.rollout.pad_id,
-                           g.mask_truncated_completions, self.run.env.device)
+    def training_rows(self, prompt_ids: list[list[int]], tokens: list[list[int]], truncated: list[bool],
+                      advantages: list[float], engine_logps: list[list[float]],
+                      tool_mask: list[list[int]] | None) -> list[dict]:
+        """This rank's micro-batches of training rows (rows.policy_rows): completion i of prompt_ids[i]."""
+        return policy_rows(prompt_ids, tokens, truncated, advantages, engine_logps, self.rows,
+                           self.run.cfg.train.micro_batch_size, self.rollout.pad_id,
+                           self.section.mask_truncated_completions, self.run.env.device, tool_mask)
 
 
 class GRPO(Recipe):
@@ -160,7 +180,8 @@ class GRPO(Recipe):
 
     def check(self, cfg: GRPOConfig) -> None:
         self.check_existing_model(cfg, "configs/demo-grpo.yaml")
-        check(cfg.grpo)
+        load_tools(cfg.grpo.tools)  # a file that does not import, a function without type hints: exit 2 here
+        check(cfg.grpo, len(Environments(cfg.grpo.environment).reward_funcs()))
         check_batch(cfg, distributed.world_size_from_env())  # before any process group: torchrun's WORLD_SIZE
         check_engine(cfg.rollout, distributed.device_kind(cfg.distributed) == "cuda")
         rewards.load_all(cfg.grpo.reward_funcs)  # a missing module, file or function: exit 2 here
@@ -175,7 +196,8 @@ class GRPO(Recipe):
     def source(self, run) -> tuple[data.Built, Rollouts]:
         g, cfg = run.cfg.grpo, run.cfg
         built = build_data(run, self.unit)
-        funcs = rewards.load_all(g.reward_funcs)
+        environments = Environments(g.environment)
+        funcs = rewards.load_all(g.reward_funcs) + environments.reward_funcs()
         ref = reference(run) if g.beta else None
         rollout = build_rollout(cfg.rollout, run, cfg.data.seq_len + g.max_completion_length,
                                 cfg.train.micro_batch_size * cfg.train.grad_accum_steps)
@@ -190,7 +212,14 @@ class GRPO(Recipe):
         scorer = Scorer(funcs, g.reward_weights, g.num_generations, g.scale_rewards,
                         rewards.reward_timeout(g.reward_timeout_s, cfg.distributed.timeout_s), run.env.rank,
                         run.env.device)
-        return built, Rollouts(run, PromptSteps(steps, g.num_iterations, run.state.data), rollout, scorer, ref)
+        tool_use = None
+        if g.tools or environments:
+            parser = CallParser(g.tool_call_format, run.tokenizer, rollout.eos_ids)
+            agent = Agent(run.tokenizer, parser, rollout.eos_ids, rollout.pad_id, g.max_tool_calling_iterations,
+                          g.tool_timeout_s, g.max_concurrent_tool_calls, run.env.device)
+            tool_use = ToolUse(agent, load_tools(g.tools), environments, cfg.data.seq_len)
+        return built, Rollouts(run, PromptSteps(steps, g.num_iterations, run.state.data), rollout, scorer, ref,
+                               tool_use)
 
     def setup(self, run, built) -> None:
         super().setup(run, built)
