@@ -2,7 +2,8 @@
 set-up refusals (one line each, before any process group), the whole rows' mask, then on real gloo ranks: each
 loss path's loss and gradients at sp 2 equal the unsplit ones (tests/scripts/ulysses_grads.py), and SFT with packing
 (full and LoRA, a tiny Llama and a tiny Qwen3 with GQA) gives the losses and gradient norms of sp_size 1 at
-sp_size 2 on 2 ranks."""
+sp_size 2 on 2 ranks, and at 2 data-parallel groups x sp_size 2 on 4 ranks; a resume of the sp_size 2 run on one
+process continues exactly."""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ import torch
 
 from helpers import RECIPE, REPO, TINY
 from helpers.families import make_family
-from helpers.procs import launch, read_metrics
+from helpers.procs import launch, read_metrics, run_recipe
 from helpers.runs import REFERENCE, Run
 from llmtrain.config import ConfigError
 from llmtrain.models import ulysses
 
 TOL = 1e-5
 SP2 = ("parallel.strategy=fsdp2", "parallel.sp_size=2")
+SAVED = ("checkpoint.every_steps=2",)  # the sp 2 run's step 2, for the resume on one process
 
 
 @pytest.mark.parametrize("args, says", [
@@ -92,14 +94,22 @@ def assert_same_steps(got, want, what):
 
 @pytest.mark.slow
 def test_sft_packing_full_and_lora_at_sp2_match_sp1(shared_runs, tmp_path_factory):
-    """Packed rows (tests/tiny.yaml); LoRA with its keyed dropout on (lora.dropout 0.05: masks by whole-row
-    positions); the Qwen3 family's tiny model (2 key/value heads, per-head q/k norms)."""
+    """sp 2 on 2 ranks and 2 data-parallel x sp 2 on 4 ranks. Packed rows (tests/tiny.yaml); LoRA with its
+    keyed dropout on (lora.dropout 0.05: masks by whole-row positions); the Qwen3 family's tiny model (2 key/value
+    heads, per-head q/k norms)."""
     qwen3 = make_family("qwen3", tmp_path_factory.mktemp("qwen3") / "qwen3")
     qwen = (f"model.path={qwen3}", "model.config=null", f"tokenizer.path={qwen3}")
     lora = ("lora.enabled=true",)
-    runs = {"ref": REFERENCE, "sp2": Run(SP2, nproc=2),
+    runs = {"ref": REFERENCE, "sp2": Run((*SP2, *SAVED), nproc=2),
+            "dp2_sp2": Run((*SP2, "train.micro_batch_size=2"), nproc=4),  # 2 data-parallel x 2: global batch 4
             "lora_ref": Run(("parallel.strategy=none", *lora)), "lora_sp2": Run((*SP2, *lora), nproc=2),
             "qwen_ref": Run(("parallel.strategy=none", *qwen)), "qwen_sp2": Run((*SP2, *qwen), nproc=2)}
     outs = shared_runs.get(runs, at_once=2)
     for name in ("sp2", "lora_sp2", "qwen_sp2"):
         assert_same_steps(steps(outs[name]), steps(outs[name.replace("sp2", "ref")]), name)
+    assert_same_steps(steps(outs["dp2_sp2"]), steps(outs["ref"]), "dp2_sp2")
+    # resumed from the sp 2 run's step 2 on one process (sp_size 1): steps 3 and 4 as the reference's
+    resumed = tmp_path_factory.mktemp("resumed")
+    run_recipe(resumed, "parallel.strategy=none", f"checkpoint.resume={outs['sp2'] / 'checkpoints' / 'step_2'}")
+    assert [r["step"] for r in read_metrics(resumed) if "loss" in r] == [3, 4]
+    assert steps(resumed) == pytest.approx(steps(outs["ref"])[2:], rel=TOL)

@@ -14,12 +14,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
-from llmtrain.distributed import sequence_group  # noqa: E402
-from llmtrain.losses.token import TokenLoss  # noqa: E402
-from llmtrain.models import attention  # noqa: E402
-from llmtrain.parallelize import apply_activation_checkpointing  # noqa: E402
+from llmtrain.distributed import sequence_group
+from llmtrain.losses.token import TokenLoss
+from llmtrain.models import attention
+from llmtrain.parallelize import apply_activation_checkpointing
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=96)
 FAMILIES = {"llama": lambda: LlamaConfig(**SHAPE, num_key_value_heads=2),
