@@ -30,8 +30,13 @@
 #      sampling 16 x 128 tokens a step; generation vs step time and generated tokens/s per step, from its
 #      metrics.jsonl (not run on a GPU yet either)
 #   6. a markdown table of the throughput runs (bench/gpu/train.py --table), also saved to $RESULTS/table.md
+#   longctx (not in the default SECTIONS: it needs a node of up to 8 GPUs, not one lent GPU; not run on a GPU yet):
+#      the same model on one 32768-token row per data-parallel rank, activation checkpointing, Ulysses
+#      parallel.sp_size 1, 2, 4, 8 on as many GPUs (those the node has), tokens/s and peak memory per GPU in the
+#      table (docs/long-context.md: memory arithmetic of configs/llama3.2-1b-32k-sp.yaml)
 #
-# SECTIONS picks what runs (default all): e.g. SECTIONS="engines" bash bench/gpu.sh for the engines alone.
+# SECTIONS picks what runs (default all): e.g. SECTIONS="engines" bash bench/gpu.sh for the engines alone;
+# SECTIONS=longctx bash bench/gpu.sh on an 8-GPU node for the long-context rows.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -110,6 +115,37 @@ for v in "${variants[@]}"; do
   echo "   exit $rc after $(( SECONDS - t0 ))s; last lines of $out.log:"
   grep -E "^(model:|step |error)" "$out.log" | tail -n 3 | sed 's/^/   /'
   (( rc == 0 )) || tail -n 5 "$out.log" | sed 's/^/   /'
+  dirs+=("$out")
+done
+fi
+
+if wanted longctx; then
+LONG_SEQ=${LONG_SEQ:-32768}
+[[ $SMOKE == 1 ]] && LONG_SEQ=64
+NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
+[[ $SMOKE == 1 ]] && NGPU=2
+echo "== long context: $CONFIG, rows of $LONG_SEQ tokens, parallel.sp_size 1 2 4 8 (up to $NGPU GPUs)"
+for sp in 1 2 4 8; do
+  remaining=$(( $(left) - 20 ))
+  if (( sp > NGPU )); then
+    echo "-- sp$sp: skipped, $NGPU GPUs"
+    continue
+  elif (( remaining < 45 )); then
+    echo "-- sp$sp: skipped, ${remaining}s left of BUDGET_S=$BUDGET_S"
+    continue
+  fi
+  out="$RESULTS/longctx-sp$sp"
+  rm -rf "$out"
+  echo "-- sp$sp on $sp GPUs, limit $(( remaining < 150 ? remaining : 150 ))s"
+  timeout -k 5 "$(( remaining < 150 ? remaining : 150 ))" $TORCHRUN --standalone --nproc_per_node=$sp \
+      bench/gpu/train.py --config "$CONFIG" output_dir="$out" train.max_steps="$STEPS" checkpoint.resume=never \
+      "${EXTRA[@]}" data.seq_len="$LONG_SEQ" model.config.max_position_embeddings="$LONG_SEQ" \
+      train.micro_batch_size=1 parallel.sp_size=$sp \
+      parallel.activation_checkpointing=true >"$out.log" 2>&1
+  rc=$?
+  rm -rf "$out/checkpoints"
+  echo "   exit $rc; last lines of $out.log:"
+  grep -E "^(model:|step |error)" "$out.log" | tail -n 3 | sed 's/^/   /'
   dirs+=("$out")
 done
 fi

@@ -193,6 +193,8 @@ class ParallelConfig:
     """FSDP2: free gathered parameters after forward (saves memory, costs a second all-gather)."""
     replicate: int = ranged("[1, inf)", default=1)
     """HSDP: number of replica groups (FSDP2 2-D mesh; FSDP1 HYBRID_SHARD)."""
+    sp_size: int = ranged("[1, inf)", default=1)
+    """Ulysses sequence parallelism: each row split over this many consecutive ranks (docs/long-context.md)."""
     mixed_precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Compute dtype; parameters, optimizer state and gradient reduction stay fp32."""
     activation_checkpointing: bool = False

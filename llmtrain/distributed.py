@@ -27,10 +27,21 @@ class DistEnv:
     local_rank: int
     device: torch.device
     backend: str
+    sp_size: int = 1  # parallel.sp_size: ranks rank // sp_size * sp_size + [0, sp_size) split the same rows
+    sp_group: dist.ProcessGroup | None = None  # this rank's sequence group (None at sp_size 1)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel groups: the ranks that take different rows (the data's world)."""
+        return self.world_size // self.sp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.sp_size
 
 
 def _env_int(name: str, default: int) -> int:
@@ -146,10 +157,11 @@ def wait_for_ranks(store: dist.Store, rank: int, world: int, timeout: timedelta)
     raise PreflightError(msg + hint) from None
 
 
-def init(section: DistributedConfig) -> DistEnv:
+def init(section: DistributedConfig, sp_size: int = 1) -> DistEnv:
     """Join the process group announced by the launcher, or form a 1-process group without one, so a
     plain `python recipes/finetune.py` runs the very same code path. With distributed.preflight, reaching
-    the store and waiting for every rank are bounded by distributed.preflight_timeout_s (PreflightError)."""
+    the store and waiting for every rank are bounded by distributed.preflight_timeout_s (PreflightError).
+    sp_size > 1: consecutive ranks form sequence groups (llmtrain.models.ulysses)."""
     pin_threads()
     rank, world, local_rank = _env_int("RANK", 0), world_size_from_env(), local_rank_from_env()
     device, backend = pick_device(section, local_rank)
@@ -174,7 +186,21 @@ def init(section: DistributedConfig) -> DistEnv:
         failures.joined(store)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    return DistEnv(rank, world, local_rank, device, backend)
+    return DistEnv(rank, world, local_rank, device, backend, sp_size, sequence_group(rank, world, sp_size))
+
+
+def sequence_group(rank: int, world: int, sp_size: int) -> dist.ProcessGroup | None:
+    """Collective (every rank creates every group): this rank's group of sp_size consecutive ranks. FSDP and DDP
+    still reduce gradients over the whole world: a sequence group's ranks each hold part of a row's gradient,
+    and the sum over all ranks is the step's gradient (llmtrain.train.step)."""
+    if sp_size == 1:
+        return None
+    mine = None
+    for first in range(0, world, sp_size):
+        group = dist.new_group(list(range(first, first + sp_size)))
+        if first <= rank < first + sp_size:
+            mine = group
+    return mine
 
 
 def pin_threads() -> None:

@@ -179,8 +179,9 @@ class Throughput:
     throughput, MFU, step-time and memory keys. collect() is a collective: every rank calls it."""
 
     def __init__(self, flops_per_tok: float, world_size: int, device: torch.device, pad_id: int | None,
-                 peak: float | None, peak_source: str = ""):
+                 peak: float | None, peak_source: str = "", sp_size: int = 1):
         self.flops_per_tok, self.world_size, self.device, self.pad_id = flops_per_tok, world_size, device, pad_id
+        self.sp_size = sp_size  # a sequence group's ranks hold the same rows: each counted once
         self.peak, self.peak_source = peak, peak_source
         self.last_tokens_per_sec: float | None = None
         self._reset(time.perf_counter())
@@ -197,7 +198,7 @@ class Throughput:
     def add(self, batches: list[dict[str, torch.Tensor]], step_time: float) -> None:
         """One optimizer step on this rank: its micro-batches and its time (data wait excluded)."""
         now = time.perf_counter()
-        rows_tokens = sum(b["input_ids"].numel() for b in batches) * self.world_size
+        rows_tokens = sum(b["input_ids"].numel() for b in batches) * self.world_size // self.sp_size
         self.last_tokens_per_sec = rows_tokens / max(now - self.last, 1e-9)
         self.last = now
         self.steps += 1
@@ -222,7 +223,7 @@ class Throughput:
         slowest, fastest, mem, reserved_max = maxes.tolist()
         fastest = -fastest
         tokens_per_sec = self.rows_tokens / seconds
-        real_per_sec = real.item() / seconds
+        real_per_sec = real.item() / self.sp_size / seconds
         tflops = self.flops_per_tok * real_per_sec / self.world_size / 1e12
         self._reset(now)
         return {

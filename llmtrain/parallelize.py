@@ -26,6 +26,7 @@ from transformers import PretrainedConfig
 
 from llmtrain.config import ConfigError, ParallelConfig
 from llmtrain.models import hf as model_lib
+from llmtrain.models import ulysses
 from llmtrain.models.hf import decoder_layer_classes, decoder_layers
 from llmtrain.models.names import clean_name
 from llmtrain.utils import DTYPES, release_freed_memory
@@ -100,8 +101,10 @@ def resolve(section: ParallelConfig, n_params: int, world_size: int, device: tor
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
-    # transformers checkpoints each decoder layer itself; module names (and checkpoints) stay unchanged.
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # transformers checkpoints each decoder layer itself; module names (and checkpoints) stay unchanged. A
+    # recompute runs under its forward's sequence split (llmtrain.models.ulysses).
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
+                                                                       "context_fn": ulysses.recompute_contexts})
 
 
 def apply_compile(model: nn.Module) -> None:

@@ -56,12 +56,13 @@ def random_data_recipe():
         name = "finetune"
         usage = __doc__
         final_export = False
+        sequence_parallel = True  # bench/gpu.sh's long-context rows (parallel.sp_size)
 
         def source(self, run):
             cfg = run.cfg
             micro, accum = cfg.train.micro_batch_size, cfg.train.grad_accum_steps
             return None, DataSource(RandomSteps(len(run.tokenizer), cfg.data.seq_len, micro, accum,
-                                                cfg.train.seed + run.env.rank,
+                                                cfg.train.seed + run.env.dp_rank,  # a sequence group: alike
                                                 run.state.data.get("samples_seen", 0), run.global_batch))
 
         def setup(self, run, built):

@@ -25,6 +25,7 @@ from transformers import PreTrainedModel
 
 from llmtrain.config import ConfigError
 from llmtrain.data.formats import IGNORE
+from llmtrain.models import ulysses
 
 # fp32 logits of one chunk, turned into their gradient in place: few chunks keep the per-chunk
 # accumulation of the output layer's weight gradient cheap, and one buffer stays far below the full
@@ -46,7 +47,11 @@ def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum (not mean) of next-token cross-entropies, in fp32 whatever the compute dtype."""
-    targets = next_token_targets(labels)
+    return targets_loss_sum(logits, next_token_targets(labels))
+
+
+def targets_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """token_loss_sum of targets already shifted (next_token_targets)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
@@ -54,7 +59,11 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor, temperature: float =
     """Log-probabilities (fp32) of the trained tokens, flat in row-major order: what TokenLoss.token_logps
     gives from the chunked path too (as minus its per-token cross-entropies). temperature: of the
     distribution the tokens were sampled from, logits / temperature (as TRL scores GRPO completions)."""
-    targets = next_token_targets(labels)
+    return targets_logps(logits, next_token_targets(labels), temperature)
+
+
+def targets_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """token_logps of targets already shifted (next_token_targets)."""
     keep = targets != IGNORE
     logits = logits[keep].float()
     return -F.cross_entropy(logits / temperature if temperature != 1 else logits, targets[keep], reduction="none")
@@ -91,8 +100,10 @@ class TokenLoss:
     hidden states to its output layer; a pre-hook on that layer takes them and passes it zero rows
     instead, and the model's `loss_function`, swapped for the call, returns the loss computed from them."""
 
-    def __init__(self, impl: str, model: nn.Module, device: torch.device, chunk_tokens: int = 0):
+    def __init__(self, impl: str, model: nn.Module, device: torch.device, chunk_tokens: int = 0,
+                 sp_group: dist.ProcessGroup | None = None):
         self.impl = impl
+        self.sp_group = sp_group  # parallel.sp_size > 1: each forward runs on this rank's slice of the rows
         self.lm = _causal_lm(model)
         cap = getattr(self.lm.config, "final_logit_softcapping", None)  # Gemma 2 / 3
         self.softcap = float(cap) if cap else None
@@ -156,8 +167,10 @@ class TokenLoss:
                               "the output layer in a way llmtrain does not reproduce; use train.loss_impl=full")
 
     def loss_sum(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        """The summed next-token loss of this rank's tokens (its slice of the rows under a sequence split)."""
         if self.impl == "full":
-            return token_loss_sum(self._logits(model, batch), batch["labels"])
+            with self.split(batch) as part:
+                return targets_loss_sum(self._logits(model, part), part.targets)
         return self.on_trained_rows(model, batch, self._liger if self.impl == "liger" else self._chunked)
 
     def token_logps(self, model: nn.Module, batch: dict, temperature: float = 1.0) -> torch.Tensor:
@@ -166,29 +179,37 @@ class TokenLoss:
         with no logits kept, and each chunk's logits are recomputed in the backward pass. temperature divides
         the logits (after any soft-capping), as TRL does for GRPO's sampled completions."""
         if self.impl == "full":
-            return token_logps(self._logits(model, batch), batch["labels"], temperature)
+            with self.split(batch) as part:
+                return targets_logps(self._logits(model, part), part.targets, temperature)
         if self.impl == "liger":  # recipes refuse it before start-up; this names the reason for library callers
             raise ConfigError("train.loss_impl=liger yields only a summed loss, not per-token log-probs; "
                               "use train.loss_impl=chunked or full")
         return self.on_trained_rows(model, batch, lambda hidden, flat: self._chunked_logps(hidden, flat, temperature))
 
+    def split(self, batch: dict):
+        """The rows' inputs and next-token targets (ulysses.Split): this rank's slice of them under a sequence
+        split, active for the forwards inside the block; the whole rows otherwise."""
+        return ulysses.split(self.sp_group, batch["input_ids"], batch["position_ids"],
+                             next_token_targets(batch["labels"]), IGNORE)
+
     @staticmethod
-    def _logits(model: nn.Module, batch: dict) -> torch.Tensor:
-        return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    def _logits(model: nn.Module, part: ulysses.Split) -> torch.Tensor:
+        return model(input_ids=part.input_ids, position_ids=part.position_ids, use_cache=False).logits
 
     def on_trained_rows(self, model: nn.Module, batch: dict, fn) -> torch.Tensor:
-        """The model's forward, returning fn(final hidden states of the trained positions, their targets)."""
-        targets = next_token_targets(batch["labels"])
-        keep = targets != IGNORE  # untrained positions (prompt, padding) never reach the output layer
-        flat = targets[keep]
+        """The model's forward, returning fn(final hidden states of the trained positions, their targets)
+        (this rank's positions under a sequence split)."""
+        with self.split(batch) as part:
+            keep = part.targets != IGNORE  # untrained positions (prompt, padding) never reach the output layer
+            flat = part.targets[keep]
 
-        def on_hidden(hidden):
-            self._loss = fn(hidden, flat)
-            return hidden[:0]
+            def on_hidden(hidden):
+                self._loss = fn(hidden, flat)
+                return hidden[:0]
 
-        with self._in_forward(on_hidden):
-            return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
-                         labels=targets, logits_to_keep=keep).loss
+            with self._in_forward(on_hidden):
+                return model(input_ids=part.input_ids, position_ids=part.position_ids, use_cache=False,
+                             labels=part.targets, logits_to_keep=keep).loss
 
     def chunk_logps(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """Log-probs (fp32) of targets under head_logits(hidden) / temperature, for one chunk of rows."""
@@ -390,6 +411,7 @@ def evaluate(model, batches, device: torch.device, autocast, loss: TokenLoss) ->
     Collective: every rank must pass the same number of batches."""
     def sums(batch: dict) -> torch.Tensor:
         with autocast():
-            return torch.stack([loss.loss_sum(model, batch).double(), trained_tokens(batch["labels"]).double()])
+            tokens = ulysses.once(loss.sp_group, trained_tokens(batch["labels"]).double())  # a row's, once
+            return torch.stack([loss.loss_sum(model, batch).double(), tokens])
     totals = validation_sums(model, batches, device, 2, sums)
     return (totals[0] / totals[1].clamp(min=1)).item(), int(totals[1].item())

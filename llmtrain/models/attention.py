@@ -8,6 +8,9 @@ of the attention work (4 chunks) not done. On CPU it also hands grouped key/valu
 as they are (enable_gqa), where transformers copies them out per query head once a mask is given.
 Unmasked (unpacked) input, or a query shorter than its keys (a KV cache), goes to transformers' sdpa.
 
+Under parallel.sp_size > 1 the same kernel runs inside Ulysses' all-to-alls (llmtrain.models.ulysses) while a
+sequence split is active.
+
 model.attn_implementation=sdpa selects it (as `NAME`, a name only this process knows: transformers
 does not write the attention implementation into an exported config.json).
 """
@@ -21,7 +24,9 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-NAME = "llmtrain_sdpa"
+from llmtrain.models import ulysses
+
+NAME = ulysses.KERNEL
 CHUNKS = 4
 
 
@@ -43,6 +48,13 @@ def chunked_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 
+def attend(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """What NAME runs: chunked_sdpa, over the whole sequence's positions when a sequence split is active."""
+    if ulysses.active() is not None:
+        return ulysses.attention(chunked_sdpa, module, query, key, value, dropout, scaling, **kwargs)
+    return chunked_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
 # model.attn_implementation -> the class flag with which transformers says a model supports it.
 SUPPORT_FLAGS = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn",
                  "flex_attention": "_supports_flex_attn"}
@@ -62,5 +74,5 @@ def choose(name: str, config) -> tuple[str, str]:
     return name, f"{name} (model.attn_implementation)"
 
 
-AttentionInterface.register(NAME, chunked_sdpa)
+AttentionInterface.register(NAME, attend)
 AttentionMaskInterface.register(NAME, sdpa_mask)

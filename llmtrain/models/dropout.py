@@ -33,6 +33,7 @@ CHUNK = 1 << 26  # mask elements computed at once
 
 _keys: torch.Tensor | None = None  # [B] 63-bit keys of the current micro-batch's samples (module-global:
                                    # a CUDA backward, and so a recompute, runs on another thread)
+_offset = 0  # the position of the activations' first token in its row (a sequence-parallel slice's start)
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -63,6 +64,18 @@ def rows(seed: int, step: int, samples: torch.Tensor | None):
         _keys = saved
 
 
+@contextlib.contextmanager
+def offset(start: int):
+    """Inside the block, activations hold the positions from `start` of their rows (llmtrain.models.ulysses: a
+    rank's slice of the sequence), so their masks are those of the same positions of the whole row."""
+    global _offset
+    saved, _offset = _offset, start
+    try:
+        yield
+    finally:
+        _offset = saved
+
+
 def keep_mask(keys: torch.Tensor, layer: int, shape: torch.Size, p: float, device: torch.device) -> torch.Tensor:
     """[rows, *shape[1:]] bool: True where an element is kept. keys: the micro-batch's [B] sample keys; rows
     come in blocks of B (row r: sample r % B, part r // B). The last dimension is the features, the ones
@@ -73,7 +86,7 @@ def keep_mask(keys: torch.Tensor, layer: int, shape: torch.Size, p: float, devic
     row = keys[r % len(keys)] ^ (r // len(keys)) * GOLDEN
     row = _mix(_mix((row & M32) ^ layer) ^ (row >> 32 & M32))
     positions = int(torch.Size(shape[1:-1]).numel())
-    t = torch.arange(positions, device=device)
+    t = torch.arange(_offset, _offset + positions, device=device)
     token = _mix(_mix(t[None] ^ row[:, None]) + GOLDEN & M32)                        # [rows, positions]
     feature = _mix(_mix(torch.arange(features, device=device) ^ layer) ^ GOLDEN)   # [features]
     threshold = int(p * 2 ** 32)

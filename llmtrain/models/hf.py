@@ -50,6 +50,19 @@ def check_paths(section: ModelConfig, tokenizer_path: str | None) -> None:
         check_model_dir(section.path)
 
 
+def attention_shape(section: ModelConfig) -> tuple[str, int, int]:
+    """Before any process group: (the attention implementation the model gets, its attention heads, its key/value
+    heads), from model.path's config.json or the inline model.config."""
+    if section.path is not None:
+        config = AutoConfig.from_pretrained(section.path, trust_remote_code=section.trust_remote_code)
+    else:
+        config = LlamaConfig(**section.config)
+    config = getattr(config, "text_config", None) or config
+    heads = config.num_attention_heads
+    return (attention.choose(section.attn_implementation, config)[0], heads,
+            getattr(config, "num_key_value_heads", None) or heads)
+
+
 def check_model_dir(path: str, key: str = "model.path") -> None:
     """A Hugging Face directory llmtrain loads: its config.json, a causal LM, not quantized, readable weights; a
     problem names `key` (another model's: distill.teacher_path)."""

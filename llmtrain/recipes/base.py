@@ -35,6 +35,7 @@ class Recipe:
     unit: str = "rows"    # what one sample of the global batch is, for the log
     final_export: bool = True  # write output_dir/hf (and adapter/) at the end
     score_head: bool = False   # the policy is a one-score sequence classifier (a reward model), not a causal LM
+    sequence_parallel: bool = False  # its forwards run under parallel.sp_size > 1 (llmtrain.models.ulysses)
     run: Run              # set by setup
     objective: Objective  # set by the subclass's setup
 
@@ -97,5 +98,8 @@ class Recipe:
         return cli.main(argv, self.usage, self.config_cls, self.train, self.setup_checks)
 
     def setup_checks(self, cfg: Config) -> None:
+        if cfg.parallel.sp_size > 1 and not self.sequence_parallel:
+            raise ConfigError(f"parallel.sp_size={cfg.parallel.sp_size}: sequence parallelism is not supported by "
+                              f"the {self.name} recipe yet (recipes/finetune.py has it); use parallel.sp_size=1")
         self.check(cfg)
         self.check_data(cfg)

@@ -51,6 +51,7 @@ class TokenObjective:
 class Finetune(Recipe):
     name = "finetune"
     usage = USAGE
+    sequence_parallel = True
 
     def setup(self, run, built):
         super().setup(run, built)
@@ -60,7 +61,7 @@ class Finetune(Recipe):
     def val_batches(self):
         """This rank's share of the validation rows (every rank as many batches)."""
         run, cfg = self.run, self.run.cfg
-        return data.eval_batches(self.val, cfg.train.micro_batch_size, run.env.world_size, run.env.rank,
+        return data.eval_batches(self.val, cfg.train.micro_batch_size, run.env.dp_size, run.env.dp_rank,
                                  cfg.eval.max_batches)
 
     def evaluate(self, at_step: int) -> dict:

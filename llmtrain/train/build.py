@@ -67,7 +67,7 @@ class Run:
     @property
     def stepper(self) -> Stepper:
         return Stepper(self.model, self.plan, self.opt, self.scaler, self.cfg.train.max_grad_norm, self.env.device,
-                       self.env.world_size)
+                       self.env.world_size, self.env.sp_group)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return parallelize.autocast(self.plan, self.env.device)
@@ -89,7 +89,7 @@ def build(cfg: Config, env: distributed.DistEnv, recipe: str, registered: list[R
     if score_head:
         model_config = model_lib.as_score_model(model_config, tokenizer)
     model_lib.check_seq_len(model_config, cfg.data.seq_len)
-    point = _resume_point(cfg, recipe, model_config, env.world_size)
+    point = _resume_point(cfg, recipe, model_config, env.dp_size)
     # Resuming: the checkpoint holds every trained weight (LoRA's: the adapters; the base is loaded here).
     policy = build_model(cfg.model, model_config, cfg.parallel, env, cfg.train.seed, cfg.lora,
                          load=point.start is None)
@@ -97,9 +97,9 @@ def build(cfg: Config, env: distributed.DistEnv, recipe: str, registered: list[R
     model.train()
     distributed.seed_everything(cfg.train.seed + env.rank)  # per rank; LoRA dropout is keyed (models/dropout.py)
 
-    peak = optim.peak_lr(cfg.train, env.world_size)
+    peak = optim.peak_lr(cfg.train, env.dp_size)
     opt = optim.build_optimizer(model, cfg.train, peak, policy.no_decay)
-    global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * env.world_size
+    global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * env.dp_size
     ckpt = checkpoint.CheckpointManager(cfg.checkpoint, cfg.output_dir, model, opt, env.rank, to_yaml(cfg),
                                         model_config, tokenizer)
     for r in registered:
@@ -115,7 +115,7 @@ def build(cfg: Config, env: distributed.DistEnv, recipe: str, registered: list[R
     token_loss = None  # a score head has no token logits
     if not score_head:
         token_loss = loss_lib.TokenLoss(cfg.train.loss_impl, model, env.device,
-                                        cfg.train.loss_chunk_tokens)  # collective
+                                        cfg.train.loss_chunk_tokens, env.sp_group)  # collective
     _describe(metrics, cfg, env, policy, model_config, token_loss)
     if state.step > 0:
         metrics.info(f"resumed at step {state.step} ({state.samples_seen} samples seen)")
@@ -159,7 +159,8 @@ def _describe(metrics: MetricsLogger, cfg: Config, env: distributed.DistEnv, pol
               token_loss: loss_lib.TokenLoss | None) -> None:
     """The set-up's log lines: the model and its strategy, attention, LoRA / NF4, the loss, a disk-space warning."""
     plan = policy.plan
-    metrics.info(f"model: {policy.n_params / 1e6:.2f}M parameters | {env.world_size} x {env.device.type} "
+    sp = f" as {env.dp_size} data-parallel x {env.sp_size} sequence-parallel" if env.sp_size > 1 else ""
+    metrics.info(f"model: {policy.n_params / 1e6:.2f}M parameters | {env.world_size} x {env.device.type}{sp} "
                  f"({env.backend}) | strategy {plan.strategy.name} ({plan.reason}) | {cfg.parallel.mixed_precision}")
     _, attn_why = attention.choose(cfg.model.attn_implementation, model_config)
     metrics.info(f"{plan.strategy.describe(policy.model)} | attention {attn_why}")
@@ -200,7 +201,7 @@ def _export_size(cfg: Config, policy: BuiltModel) -> int:
 def build_data(run: Run, unit: str) -> data.Built:
     """The data (train and validation rows), logged; unit: what a row of the global batch is, for the log."""
     cfg, env = run.cfg, run.env
-    built = data.build(cfg.data, run.tokenizer, cfg.train.seed, env.is_main, env.rank, env.world_size)
+    built = data.build(cfg.data, run.tokenizer, cfg.train.seed, env.is_main, env.dp_rank, env.dp_size)
     if built.stats.untrained:  # every rank finds it alike: it would export the initial model
         raise ConfigError(built.stats.untrained)
     run.metrics.info(f"data: {built.stats.summary()} | global batch {run.global_batch} {unit} of "
@@ -212,10 +213,10 @@ def build_data(run: Run, unit: str) -> data.Built:
 
 def data_source(run: Run, built: data.Built) -> DataSource:
     """This rank's micro-batches of the global batches (one global order, whatever the world size or
-    accumulation split), from the saved position when resuming."""
+    accumulation split; a sequence group's ranks get the same), from the saved position when resuming."""
     cfg, env = run.cfg, run.env
-    return DataSource(data.make_steps(built, cfg.train.micro_batch_size, cfg.train.grad_accum_steps, env.world_size,
-                                      env.rank, cfg.train.seed, env.device, run.state.data))
+    return DataSource(data.make_steps(built, cfg.train.micro_batch_size, cfg.train.grad_accum_steps, env.dp_size,
+                                      env.dp_rank, cfg.train.seed, env.device, run.state.data))
 
 
 def sampling_weights(run: Run) -> dict[str, torch.Tensor]:

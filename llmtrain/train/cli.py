@@ -17,7 +17,7 @@ from llmtrain import metrics as metrics_lib
 from llmtrain.config import Config, ConfigError, RunError, describe, input_paths, load_config, to_yaml
 from llmtrain.losses import token as loss_lib
 from llmtrain.models import hf as model_lib
-from llmtrain.models import lora, nf4
+from llmtrain.models import lora, nf4, ulysses
 from llmtrain.train import harness
 from llmtrain.train.loop import Preempted
 from llmtrain.utils import nesting, print_piped
@@ -50,6 +50,9 @@ def setup(args: argparse.Namespace, config_cls: type[Config] = Config,
     data.check(cfg.data)
     device, _ = distributed.pick_device(cfg.distributed, distributed.local_rank_from_env())
     parallelize.check(cfg.parallel, distributed.world_size_from_env(), device.type)
+    if cfg.parallel.sp_size > 1:
+        ulysses.check(cfg.parallel.sp_size, distributed.world_size_from_env(), cfg.data.seq_len,
+                      *model_lib.attention_shape(cfg.model))
     checkpoint.check_writable(cfg.output_dir)
     checkpoint.check_resume(cfg.checkpoint)  # which checkpoint, verified, is build()'s choice (collective)
     lora.check(cfg.lora)
@@ -92,7 +95,7 @@ def main(argv: list[str] | None, usage: str, config_cls: type[Config],
         print_piped(to_yaml(cfg))
         return 0
     try:
-        env = distributed.init(cfg.distributed)
+        env = distributed.init(cfg.distributed, cfg.parallel.sp_size)
     except distributed.PreflightError as e:  # a rank missing or unreachable, named, within the preflight timeout
         return fail(f"error: preflight failed: {e}", 1)
     try:

@@ -55,7 +55,7 @@ def beside_policy(run: Run, source: ModelConfig, config, kind: str, dtype: torch
     built = build_model(source, config, cfg.parallel, env, cfg.train.seed, frozen_next_to=run.policy,
                         frozen_dtype=dtype)
     token_loss = TokenLoss(loss_impl or cfg.train.loss_impl, built.model, env.device,
-                           cfg.train.loss_chunk_tokens)  # collective
+                           cfg.train.loss_chunk_tokens, env.sp_group)  # collective
     return FrozenModel(built, token_loss, env.device, kind)
 
 

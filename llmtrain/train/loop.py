@@ -63,7 +63,8 @@ def throughput(run: Run) -> Throughput:
     n_trained = policy.n_trained if cfg.lora.enabled else None  # LoRA: weight gradients for the adapters only
     return Throughput(metrics_lib.model_flops_per_token(policy.config, policy.n_params, cfg.data.seq_len, n_trained),
                       env.world_size, env.device, run.tokenizer.pad_token_id,
-                      *metrics_lib.device_peak_tflops(env.device, cfg.parallel.mixed_precision, cfg.log.peak_tflops))
+                      *metrics_lib.device_peak_tflops(env.device, cfg.parallel.mixed_precision, cfg.log.peak_tflops),
+                      sp_size=env.sp_size)
 
 
 def train_step(run: Run, source: BatchSource, objective: Objective, perf: Throughput) -> Step:

@@ -10,12 +10,12 @@ from typing import Callable, NamedTuple, Protocol
 
 import torch
 from torch import nn
-from torch.distributed import ReduceOp
+from torch.distributed import ProcessGroup, ReduceOp
 
 from llmtrain.data import SAMPLE_INDEX
 from llmtrain.distributed import all_reduce
 from llmtrain.losses.token import trained_tokens
-from llmtrain.models import dropout
+from llmtrain.models import dropout, ulysses
 from llmtrain.parallelize import Plan, autocast, grad_sync
 
 
@@ -86,6 +86,7 @@ class Stepper(NamedTuple):
     max_grad_norm: float
     device: torch.device
     world_size: int
+    sp_group: ProcessGroup | None = None  # parallel.sp_size > 1: the ranks that hold this rank's rows
 
 
 def accumulate(s: Stepper, batches: list[dict], objective: Objective, key: tuple[int, int]) -> StepResult:
@@ -93,13 +94,14 @@ def accumulate(s: Stepper, batches: list[dict], objective: Objective, key: tuple
     SAMPLE_INDEX the key of its dropout masks (llmtrain.models.dropout)."""
     batches = [{k: v.to(s.device, non_blocking=True) for k, v in b.items()} for b in batches]
     local = torch.stack([torch.cat([trained_tokens(b["labels"]).reshape(1), objective.counts(b)]) for b in batches])
-    totals = all_reduce(local.sum(0))
+    totals = all_reduce(ulysses.once(s.sp_group, local.sum(0)))  # a sequence group's rows counted once
     shares = []
     for i, batch in enumerate(batches):
         with grad_sync(s.model, s.plan, enabled=i == len(batches) - 1), dropout.rows(*key, batch.get(SAMPLE_INDEX)):
             with autocast(s.plan, s.device):
                 part = objective.share(s.model, batch, totals)
-            # Data-parallel wrappers average gradients over ranks: x world size makes them the global mean's.
+            # Data-parallel wrappers average gradients over ranks: x world size makes them the global mean's (with
+            # sequence groups too: each rank's gradient is its slice's part, the sum over all ranks the step's).
             scaled = part.loss * s.world_size
             (s.scaler.scale(scaled) if s.scaler else scaled).backward()
         shares.append(part._replace(loss=None))  # keeps no graph alive

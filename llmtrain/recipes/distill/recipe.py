@@ -34,6 +34,7 @@ class Distill(Finetune):
     name = "distill"
     config_cls = DistillConfig
     usage = USAGE
+    sequence_parallel = False  # the teacher's top-k logits are not sliced with the sequence yet
 
     def check(self, cfg: DistillConfig) -> None:
         check(cfg)

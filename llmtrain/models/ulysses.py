@@ -1,0 +1,177 @@
+"""Ulysses sequence parallelism (parallel.sp_size): the ranks of a sequence group hold the same rows, each
+forwards its `seq_len / sp_size` slice of them, and attention alone sees the whole sequence: before it an
+all-to-all trades the sequence for heads (each rank attends over all S positions for heads / sp_size of the
+heads), after it a second all-to-all trades them back (DeepSpeed-Ulysses; ALST in DeepSpeed / TRL and verl's
+ulysses utilities do the same). Everything else a decoder layer does is per token, so it runs on the slice.
+
+What keeps it exact: position ids are sliced from the whole row (RoPE sees the unsplit positions) and the
+attention mask is built from the whole row's position ids (a packed row's examples still attend only to
+themselves); the next-token targets are shifted on the whole row before slicing (a slice's last position
+predicts the next slice's first token); the row is padded to a multiple of sp_size with ignored targets, the
+pads a segment of their own. Key/value heads fewer than sp_size are replicated (each rank's query heads keep
+their own key/value head); heads not divisible by sp_size are refused at set-up (`check`).
+
+`split` is the one entry: TokenLoss (llmtrain.losses.token) runs every forward of a training objective inside
+it; the attention function (llmtrain.models.attention) calls `attention` while a split is active and the
+plain kernel otherwise (an unsplit forward: the output-layer probe, generation)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import repeat_kv
+
+from llmtrain.config import ConfigError
+from llmtrain.models import dropout
+
+KERNEL = "llmtrain_sdpa"  # the attention implementation that runs a split (models.attention.NAME)
+
+
+def check(sp_size: int, world_size: int, seq_len: int, kernel: str, heads: int, kv_heads: int) -> None:
+    """Before any process group: the sequence group fits the world, the rows, the attention and the heads (one
+    line each); kernel: the attention implementation the model gets (models.attention.choose)."""
+    if sp_size == 1:
+        return
+    if sp_size > world_size or world_size % sp_size:
+        raise ConfigError(f"parallel.sp_size={sp_size} must divide the world size {world_size} (the ranks form "
+                          f"data-parallel groups of sp_size ranks each); launch a multiple of {sp_size} processes "
+                          "or lower parallel.sp_size")
+    if seq_len % sp_size:
+        raise ConfigError(f"data.seq_len={seq_len} is not divisible by parallel.sp_size={sp_size}: each rank holds "
+                          f"seq_len / sp_size tokens of a row; use a data.seq_len that is a multiple of {sp_size}")
+    if kernel != KERNEL:
+        raise ConfigError(f"parallel.sp_size={sp_size} runs attention through llmtrain's sdpa, but this model gets "
+                          f"{kernel} (model.attn_implementation): use model.attn_implementation=sdpa with a family "
+                          "that supports it")
+    if heads % sp_size:
+        raise ConfigError(f"parallel.sp_size={sp_size} must divide the model's {heads} attention heads (each rank "
+                          "attends with heads / sp_size of them); pick an sp_size that divides it")
+    if kv_heads % sp_size and sp_size % kv_heads:
+        raise ConfigError(f"the model's {kv_heads} key/value heads and parallel.sp_size={sp_size}: one must divide "
+                          "the other (fewer key/value heads than sp_size are replicated); pick such an sp_size")
+
+
+class Split(NamedTuple):
+    """A forward's split: this rank's part of the rows, and what attention needs of the whole rows."""
+    input_ids: torch.Tensor     # [B, S / sp] this rank's slice
+    position_ids: torch.Tensor  # [B, S / sp]
+    targets: torch.Tensor       # [B, S / sp] next-token targets (shifted on the whole row), IGNORE on the pads
+    group: dist.ProcessGroup | None = None
+    mask: torch.Tensor | None = None  # [B, 1, S, S] bool: the whole rows' block-causal mask
+    start: int = 0                    # the slice's first position in its rows
+
+
+_active: Split | None = None  # the forward in progress (module-global, as dropout's keys)
+
+
+def active() -> Split | None:
+    return _active
+
+
+def segments_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B, 1, S, S] bool: causal within each run of consecutive position ids (a packed row's examples, the
+    pads), as transformers reads packed rows from their position ids."""
+    starts = F.pad(position_ids[:, 1:] - position_ids[:, :-1] != 1, (1, 0), value=False)
+    seg = starts.cumsum(1)
+    length = position_ids.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
+    return ((seg[:, :, None] == seg[:, None, :]) & causal)[:, None]
+
+
+@contextlib.contextmanager
+def split(group: dist.ProcessGroup | None, input_ids: torch.Tensor, position_ids: torch.Tensor,
+          targets: torch.Tensor, ignore: int):
+    """Yields this rank's Split of the rows (the rows themselves without a group) and keeps it active for the
+    forwards inside the block; `ignore`: the target of the pads. Collective over `group` (the forwards'
+    all-to-alls)."""
+    if group is None:
+        yield Split(input_ids, position_ids, targets)
+        return
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    pad = -input_ids.shape[1] % size
+    if pad:  # the pads: a segment of their own (positions from 0), no targets
+        input_ids = F.pad(input_ids, (0, pad), value=0)
+        position_ids = torch.cat([position_ids, torch.arange(pad, device=position_ids.device).expand(
+            position_ids.shape[0], pad)], 1)
+        targets = F.pad(targets, (0, pad), value=ignore)
+    part = input_ids.shape[1] // size
+    cut = slice(rank * part, (rank + 1) * part)
+    with _activated(Split(input_ids[:, cut], position_ids[:, cut], targets[:, cut], group,
+                          segments_mask(position_ids), rank * part)) as active_split:
+        yield active_split
+
+
+@contextlib.contextmanager
+def _activated(s: Split | None):
+    global _active
+    saved, _active = _active, s
+    try:
+        with dropout.offset(s.start if s is not None else 0):  # keyed dropout masks by the whole row's positions
+            yield s
+    finally:
+        _active = saved
+
+
+def recompute_contexts():
+    """torch.utils.checkpoint's context_fn (parallel.activation_checkpointing): a layer's recompute in the
+    backward pass runs under the split its forward ran under."""
+    return contextlib.nullcontext(), _activated(_active)
+
+
+def once(group: dist.ProcessGroup | None, value: torch.Tensor) -> torch.Tensor:
+    """`value` on the first rank of the sequence group, zeros on the others: a count every rank of the group
+    holds alike (its rows' trained tokens) summed over all ranks counts each row once."""
+    return value if group is None or dist.get_rank(group) == 0 else torch.zeros_like(value)
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single over dim 0 (one block per rank); its gradient is the same exchange back."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _exchange(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _exchange(grad, ctx.group), None
+
+
+def _exchange(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)  # of the contiguous input: empty_like keeps a transposed tensor's strides
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """[B, H, S / sp, D] (all heads, this rank's positions) -> [B, H / sp, S, D] (this rank's heads, all positions)."""
+    size = dist.get_world_size(group)
+    b, h, s, d = x.shape
+    out = _AllToAll.apply(x.reshape(b, size, h // size, s, d).transpose(0, 1), group)  # [sp: position block, ...]
+    return out.permute(1, 2, 0, 3, 4).reshape(b, h // size, size * s, d)
+
+
+def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """[B, S, H / sp, D] (attention's output layout) -> [B, S / sp, H, D]."""
+    size = dist.get_world_size(group)
+    b, s, h, d = x.shape
+    out = _AllToAll.apply(x.reshape(b, size, s // size, h, d).transpose(0, 1), group)  # [sp: head block, ...]
+    return out.permute(1, 2, 0, 3, 4).reshape(b, s // size, size * h, d)
+
+
+def attention(kernel, module, query, key, value, dropout_p: float = 0.0, scaling=None, **kwargs):
+    """transformers' attention call for the active split: query [B, H, S/sp, D], key/value [B, KV, S/sp, D] ->
+    ([B, S/sp, H, D], None), by `kernel` (an attention function of transformers' signature) over all S
+    positions for this rank's heads, under the whole rows' mask."""
+    s = _active
+    size = dist.get_world_size(s.group)
+    if key.shape[1] % size:  # fewer key/value heads than ranks: rank r's query heads use kv head r * KV // sp
+        key, value = repeat_kv(key, size // key.shape[1]), repeat_kv(value, size // value.shape[1])
+    q, k, v = (seq_to_heads(t, s.group) for t in (query, key, value))
+    out, _ = kernel(module, q, k, v, s.mask, dropout=dropout_p, scaling=scaling, **kwargs)
+    return heads_to_seq(out, s.group), None
