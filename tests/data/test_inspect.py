@@ -80,6 +80,10 @@ DEMO_DATA = {
     "demo-dpo.yaml": ("pairs", "--- 1000 examples -> 1000 pairs; 20825 trained tokens; 0 truncated; 0 skipped"),
     "demo-reward.yaml": ("pairs", "--- 900 examples -> 900 pairs; 18718 trained tokens; 0 truncated; 0 skipped"),
     "demo-grpo.yaml": ("prompts", "--- 128 examples -> 128 prompts; 0 trained tokens; 0 truncated; 0 skipped"),
+    "demo-kto.yaml": ("unpaired", "--- 2000 examples -> 2000 rows; 20825 trained tokens; 0 truncated; 0 skipped"),
+    "demo-agent-sft.yaml": ("tokens", "--- 400 examples -> 400 rows of 384 tokens; 14800 trained tokens; "
+                                      "packing efficiency 94.1%; 0 truncated; 0 skipped"),
+    "demo-agent.yaml": ("prompts", "--- 400 examples -> 400 prompts; 0 trained tokens; 0 truncated; 0 skipped"),
 }
 
 
