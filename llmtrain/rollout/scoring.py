@@ -36,14 +36,15 @@ class ModelReward:
                 for p, c in zip(prompts, completions)]
 
     def __call__(self, prompts: list, completions: list) -> list[float]:
-        texts, out = self.texts(prompts, completions), []
-        for i in range(0, len(texts), self.batch_size):
-            batch = self.tokenizer(texts[i:i + self.batch_size], return_tensors="pt", padding=True,
-                                   padding_side="right", add_special_tokens=False).to(self.device)
-            out += self.model.forward(lambda model, _: model(input_ids=batch["input_ids"], use_cache=False,
-                                                             attention_mask=batch["attention_mask"]).logits[:, 0]
-                                      ).float().tolist()
-        return out
+        texts = self.texts(prompts, completions)
+        return [r for i in range(0, len(texts), self.batch_size) for r in self.scores(texts[i:i + self.batch_size])]
+
+    def scores(self, texts: list[str]) -> list[float]:
+        batch = self.tokenizer(texts, return_tensors="pt", padding=True, padding_side="right",
+                               add_special_tokens=False).to(self.device)
+        logits = self.model.forward(lambda model, _: model(input_ids=batch["input_ids"], use_cache=False,
+                                                           attention_mask=batch["attention_mask"]).logits)
+        return logits[:, 0].float().tolist()
 
 
 class Scorer:
