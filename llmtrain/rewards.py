@@ -10,6 +10,11 @@ prompts and completions are text, or for chat prompts (lists of messages) the pr
 other column of the records (e.g. answer), one value per completion. None means "not applicable": left out
 of that function's statistics and of the weighted sum (TRL's nansum).
 
+An entry that names a directory (a spec without ':', or an existing directory) is a reward model, as TRL's
+GRPOTrainer takes a model there: a Hugging Face sequence classifier with one label (recipes/reward.py's export),
+scored on prompt + completion with its own tokenizer and chat template by the recipe (rollout.scoring.ModelReward),
+under the policy's strategy; its name is the directory's (TRL's: the last part of the model's path).
+
 Built-ins, no user code needed:
   llmtrain.rewards:exact_answer  1.0 when the completion's answer equals the record's `answer` column after
                                  normalisation (see normalize), else 0.0; None for records without one
@@ -22,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import json
 import math
 import re
 import signal
@@ -31,8 +37,11 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from transformers import AutoConfig
+
 from llmtrain import distributed
 from llmtrain.config import ConfigError, RunError
+from llmtrain.models import hf
 
 FORMAT = r"(?s).*####\s*\S+\s*$"
 FLOAT32_MAX = 3.4028234663852886e38  # the advantages take rewards in float32: beyond it a reward is inf
@@ -49,20 +58,62 @@ class RewardError(RunError):
 
 
 class RewardFunc(NamedTuple):
-    spec: str      # as written in grpo.reward_funcs
-    name: str      # the function's __name__: the metric key rewards/<name>/...
-    fn: Callable
+    spec: str            # as written in grpo.reward_funcs
+    name: str            # the function's __name__ (a reward model's directory name): the metric key rewards/<name>/...
+    fn: Callable | None  # None: a reward model, scored by the recipe's rollout.scoring.ModelReward
+
+
+def is_model(spec: str) -> bool:
+    """A reward-model directory rather than a function: an existing directory, or a spec without ':'."""
+    return Path(spec).is_dir() or ":" not in spec
 
 
 def file_of(spec: str) -> str | None:
-    """The file a 'path/to/file.py:function' spec reads (None for 'package.module:function')."""
+    """The file or directory a spec reads: a 'path/to/file.py:function''s file, a reward model's directory (None
+    for 'package.module:function')."""
+    if is_model(spec):
+        return spec
     where = spec.rpartition(":")[0]
     return where if where.endswith(".py") else None
 
 
-def load(spec: str, key: str = "grpo.reward_funcs") -> RewardFunc:
-    """'package.module:function' or 'path/to/file.py:function' -> the callable; a ConfigError naming the
-    key and what is missing otherwise."""
+def check_model(path: str, key: str, trust_remote_code: bool = False) -> None:
+    """A reward-model directory: a Hugging Face sequence classifier with one label whose weights hold its score
+    head, not quantized, with its own tokenizer; a ConfigError naming the key otherwise (a causal LM included: it
+    has no score head)."""
+    if not Path(path).is_dir():
+        raise ConfigError(f"{key}: {path!r} is not 'package.module:function', 'path/to/file.py:function' or a "
+                          "reward-model directory (no such directory)")
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        raise ConfigError(f"{key}: {path} has no config.json (not a Hugging Face model directory)")
+    archs = json.loads(config.read_text()).get("architectures") or []
+    if not any(a.endswith("ForSequenceClassification") for a in archs):
+        what = "a causal LM" if any(hf.CAUSAL_LM_CLASS.search(a) for a in archs) else "not a sequence classifier"
+        raise ConfigError(f"{key}: {path} is a {', '.join(archs) or 'model without architectures'} (config.json), "
+                          f"{what} with no score head; a reward model is a sequence classifier with one label "
+                          "(AutoModelForSequenceClassification): train one with recipes/reward.py")
+    labels = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).num_labels
+    if labels != 1:
+        raise ConfigError(f"{key}: {path} has {labels} labels (config.json id2label); a reward model gives one "
+                          "score per completion (num_labels 1)")
+    try:
+        hf.check_not_quantized(path)
+        hf.check_weights(Path(path))
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("model.path", key, 1)) from None
+    if not hf.has_score_head(path):
+        raise ConfigError(f"{key}: {path}'s weights have no {hf.SCORE_HEAD}: its score head would be untrained")
+    hf.load_tokenizer(path, trust_remote_code, key,
+                      "a reward model's directory holds its tokenizer (recipes/reward.py's export does)")
+
+
+def load(spec: str, key: str = "grpo.reward_funcs", trust_remote_code: bool = False) -> RewardFunc:
+    """'package.module:function' or 'path/to/file.py:function' -> the callable, a reward-model directory
+    checked (check_model); a ConfigError naming the key and what is missing otherwise."""
+    if is_model(spec):
+        check_model(spec, key, trust_remote_code)
+        return RewardFunc(spec, Path(spec).name, None)
     where, sep, attr = spec.rpartition(":")
     if not sep or not where or not attr:
         raise ConfigError(f"{key}: {spec!r} is not 'package.module:function' or 'path/to/file.py:function'")
@@ -92,14 +143,15 @@ def load(spec: str, key: str = "grpo.reward_funcs") -> RewardFunc:
     return RewardFunc(spec, getattr(fn, "__name__", attr), fn)
 
 
-def load_all(specs: list[str], key: str = "grpo.reward_funcs") -> list[RewardFunc]:
-    """Every function of grpo.reward_funcs, at set-up (before any process group); names must be unique
-    (they key the metrics)."""
-    funcs = [load(spec, f"{key}[{i}]") for i, spec in enumerate(specs)]
+def load_all(specs: list[str], key: str = "grpo.reward_funcs", trust_remote_code: bool = False) -> list[RewardFunc]:
+    """Every function (and reward model) of grpo.reward_funcs, at set-up (before any process group); names must be
+    unique (they key the metrics)."""
+    funcs = [load(spec, f"{key}[{i}]", trust_remote_code) for i, spec in enumerate(specs)]
     names = [f.name for f in funcs]
     for name in names:
         if names.count(name) > 1:
-            raise ConfigError(f"{key}: two functions named {name!r}; their metrics rewards/{name}/* would collide")
+            raise ConfigError(f"{key}: two functions named {name!r}; their metrics rewards/{name}/* would collide "
+                              "(a reward model is named by its directory)")
     return funcs
 
 
@@ -146,25 +198,17 @@ def deadline(seconds: float | None):
 
 def score(funcs: list[RewardFunc], prompts: list, completions: list, completion_ids: list[list[int]],
           columns: dict[str, list], prompt_index: list[int], timeout_s: float | None = None,
-          rank: int = 0) -> list[list[float]]:
+          rank: int = 0, scored: dict[int, list[float]] | None = None) -> list[list[float]]:
     """[completion][function] rewards (NaN for None). prompt_index: each completion's prompt index in the
-    dataset, to name in errors. A function that raises, returns the wrong number of rewards, a value that is
+    dataset, to name in errors; scored: the reward models' rewards, by their index in funcs (computed beforehand,
+    rollout.scoring.ModelReward). A function that raises, returns the wrong number of rewards, a value that is
     not a number or a non-finite one, or takes longer than timeout_s seconds (grpo.reward_timeout_s, the call
     and the search for the prompt it fails on together) stops with a one-line RewardError naming the function
-    and the prompt index (or, for the timeout, the rank)."""
+    and the prompt index (or, for the timeout, the rank); a reward model's non-finite score too."""
     out = [[math.nan] * len(funcs) for _ in completions]
     for j, f in enumerate(funcs):
-        end = None if timeout_s is None else time.monotonic() + timeout_s
-        try:
-            with deadline(timeout_s):
-                values = f.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-        except RewardTimeout:
-            raise RewardError(f"reward function {f.spec} did not return within grpo.reward_timeout_s={timeout_s:g} s "
-                              f"on rank {rank} (prompts {_indices(prompt_index)})") from None
-        except Exception as e:  # the user's code: find the prompt it fails on, and say so in one line
-            i = _first_failing(f, prompts, completions, completion_ids, columns, end)
-            where = f"prompt index {prompt_index[i]}" if i is not None else f"prompts {_indices(prompt_index)}"
-            raise RewardError(f"reward function {f.spec} raised {type(e).__name__}: {one_line(e)} ({where})") from e
+        values = scored[j] if f.fn is None else call(f, prompts, completions, completion_ids, columns, prompt_index,
+                                                     timeout_s, rank)
         n = len(values) if isinstance(values, (list, tuple)) else None
         if n != len(completions):
             got = f"{n} rewards" if n is not None else f"a {type(values).__name__}, not a list,"
@@ -185,16 +229,33 @@ def score(funcs: list[RewardFunc], prompts: list, completions: list, completion_
     return out
 
 
+def call(f: RewardFunc, prompts: list, completions: list, completion_ids: list[list[int]], columns: dict[str, list],
+         prompt_index: list[int], timeout_s: float | None, rank: int) -> Any:
+    """What the function f returns for the completions, within timeout_s (score()'s RewardErrors otherwise)."""
+    end = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        with deadline(timeout_s):
+            return f.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+    except RewardTimeout:
+        raise RewardError(f"reward function {f.spec} did not return within grpo.reward_timeout_s={timeout_s:g} s "
+                          f"on rank {rank} (prompts {_indices(prompt_index)})") from None
+    except Exception as e:  # the user's code: find the prompt it fails on, and say so in one line
+        i = _first_failing(f, prompts, completions, completion_ids, columns, end)
+        where = f"prompt index {prompt_index[i]}" if i is not None else f"prompts {_indices(prompt_index)}"
+        raise RewardError(f"reward function {f.spec} raised {type(e).__name__}: {one_line(e)} ({where})") from e
+
+
 def score_everywhere(funcs: list[RewardFunc], prompts: list, completions: list, completion_ids: list[list[int]],
                      columns: dict[str, list], prompt_index: list[int], timeout_s: float | None,
-                     rank: int) -> list[list[float]]:
-    """score() on this rank's completions, then every rank learns whether any failed (a collective: every rank
-    calls it): a failure anywhere stops every rank with the failing rank's line (RewardError, exit 1; printed
-    once), before anything of the step is saved. A hung function ends at timeout_s, below distributed.timeout_s,
-    so that the waiting ranks hear which function and rank it was instead of a collective's timeout."""
+                     rank: int, scored: dict[int, list[float]] | None = None) -> list[list[float]]:
+    """score() on this rank's completions (scored: the reward models', as score() takes them), then every rank
+    learns whether any failed (a collective: every rank calls it): a failure anywhere stops every rank with the
+    failing rank's line (RewardError, exit 1; printed once), before anything of the step is saved. A hung function
+    ends at timeout_s, below distributed.timeout_s, so that the waiting ranks hear which function and rank it was
+    instead of a collective's timeout."""
     error, per_func = None, None
     try:
-        per_func = score(funcs, prompts, completions, completion_ids, columns, prompt_index, timeout_s, rank)
+        per_func = score(funcs, prompts, completions, completion_ids, columns, prompt_index, timeout_s, rank, scored)
     except RewardError as e:
         error = str(e)
     if failed := next((e for e in distributed.gather_objects(error) if e), None):

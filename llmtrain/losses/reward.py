@@ -14,11 +14,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-
-from llmtrain.data.formats import IGNORE
-from llmtrain.losses.token import validation_sums
 
 METRICS = ("accuracy", "margin", "mean_reward", "min_reward", "max_reward")
 
@@ -42,36 +38,9 @@ def reward_sums(rewards: torch.Tensor, margin: torch.Tensor | None = None,
                       torch.stack([rewards.detach().float().max(), -rewards.detach().float().min()]))
 
 
-def global_extrema(local: torch.Tensor) -> torch.Tensor:
-    """[max, -min] over every rank's micro-batches. Collective."""
-    dist.all_reduce(local, op=dist.ReduceOp.MAX)
-    return local
-
-
 def metrics(summed: torch.Tensor, extrema: torch.Tensor, pairs: int) -> dict[str, float]:
-    """METRICS from the sums over micro-batches and ranks and global_extrema."""
+    """METRICS from the sums over micro-batches and ranks and the extrema, [max, -min] over them."""
     pairs = max(pairs, 1)
     accuracy, margin, total = summed.tolist()
     return dict(zip(METRICS, (accuracy / pairs, margin / pairs, total / (2 * pairs), -extrema[1].item(),
                               extrema[0].item())))
-
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, batches, scores, device: torch.device,
-             center_coefficient: float) -> dict[str, float]:
-    """The loss and METRICS over every rank's validation pairs, as global values whatever the world size:
-    {"val_loss", "val_accuracy", ...}. scores(batch) -> one reward per row. Collective: every rank passes as many
-    batches (eval_batches)."""
-    extrema = torch.full((2,), -torch.inf, device=device)
-
-    def sums(batch: dict) -> torch.Tensor | None:
-        rewards = scores(batch)  # every rank runs the forward, even on a filler batch
-        if (batch["labels"] == IGNORE).all():  # eval_batches' filler for a rank out of pairs
-            return None
-        s = reward_sums(rewards, batch.get("margin"), center_coefficient)
-        extrema.copy_(torch.maximum(extrema, s.extrema))
-        return torch.cat([s.loss.reshape(1), torch.tensor([rewards.shape[0] // 2], device=device), s.sums])
-    totals = validation_sums(model, batches, device, 5, sums)  # loss, pairs, accuracy, margin, rewards
-    pairs = int(totals[1])
-    return {"val_loss": totals[0].item() / max(pairs, 1),
-            **{f"val_{k}": v for k, v in metrics(totals[2:], global_extrema(extrema), pairs).items()}}

@@ -295,6 +295,11 @@ def _weight_files(path: Path) -> dict[str, Path]:
                       "pickled .bin weights are not loaded)")
 
 
+def has_score_head(path: str) -> bool:
+    """Whether a model directory's weights hold a sequence classifier's score head (a reward model's)."""
+    return SCORE_HEAD in _weight_files(Path(path))
+
+
 def _random_init(config: PretrainedConfig, seed: int) -> dict[str, torch.Tensor]:
     """model.config: the seeded init, made on rank 0 only (the same for any strategy and world size)."""
     torch.manual_seed(seed)

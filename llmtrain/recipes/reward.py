@@ -12,9 +12,10 @@ import torch
 
 from llmtrain import data
 from llmtrain.config import Config, ConfigError, ranged
+from llmtrain.data.formats import IGNORE
 from llmtrain.losses import reward as rl
 from llmtrain.recipes.base import Recipe
-from llmtrain.train.step import Share
+from llmtrain.train.step import Share, combined
 
 USAGE = """\
 Reward-model training (Bradley-Terry, as TRL's RewardTrainer) with DDP, FSDP or FSDP2 on GPUs (NCCL) or CPUs (gloo).
@@ -86,12 +87,30 @@ class Reward(Recipe):
         return metrics[0].item(), rl.metrics(metrics[1:-2], metrics[-2:], int(totals[1]))  # maxima: [max, -min]
 
     def evaluate(self, at_step: int) -> dict:
+        """val_loss and val_<METRICS> over every rank's held-out pairs: each micro-batch's sums and extrema combined
+        as a step's shares are (step.combined: summed, the extrema with MAX), so global values whatever the world
+        size. Collective: every rank passes as many batches (eval_batches)."""
         run, cfg = self.run, self.run.cfg
-
-        def rewards(batch: dict) -> torch.Tensor:
-            with run.autocast():
-                return scores(run.model, batch)
-
         batches = data.eval_batches(self.built.val, cfg.train.micro_batch_size, run.env.world_size, run.env.rank,
                                     cfg.eval.max_batches, self.built.collate)
-        return rl.evaluate(run.model, batches, rewards, run.env.device, self.section.center_rewards_coefficient)
+        was_training = run.model.training
+        run.model.eval()
+        with torch.no_grad():
+            shares = [self.held_out({k: v.to(run.env.device) for k, v in batch.items()}) for batch in batches]
+        run.model.train(was_training)
+        summed = combined(shares)  # loss, pairs, accuracy, margin, rewards; then [max, -min]
+        pairs = int(summed[1])
+        return {"val_loss": summed[0].item() / max(pairs, 1),
+                **{f"val_{k}": v for k, v in rl.metrics(summed[2:-2], summed[-2:], pairs).items()}}
+
+    def held_out(self, batch: dict) -> Share:
+        """One validation micro-batch's sums (loss, pairs, then rl.reward_sums') and extrema; nothing from
+        eval_batches' filler for a rank out of pairs, whose forward it still runs (a collective under FSDP)."""
+        with self.run.autocast():
+            rewards = scores(self.run.model, batch)
+        if (batch["labels"] == IGNORE).all():
+            return Share(None, rewards.new_zeros(5, dtype=torch.float64),
+                         maxima=rewards.new_full((2,), -torch.inf, dtype=torch.float64))
+        s = rl.reward_sums(rewards, batch.get("margin"), self.section.center_rewards_coefficient)
+        pairs = rewards.new_tensor([rewards.shape[0] // 2])
+        return Share(None, torch.cat([s.loss.reshape(1), pairs, s.sums]).double(), maxima=s.extrema.double())

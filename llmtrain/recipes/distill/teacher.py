@@ -79,9 +79,7 @@ class LiveTeacher:
         return cls(model, len(run.tokenizer), temperature, top_k)
 
     def describe(self, path: str) -> str:
-        b = self.frozen.built
-        return (f"distill: teacher {path} ({b.n_params / 1e6:.2f}M parameters, frozen, {b.plan.strategy.name}, "
-                f"computes in {str(b.plan.dtype).removeprefix('torch.')})")
+        return f"distill: teacher {path} ({self.frozen.describe()})"
 
     def dists(self, batch: dict, use: Callable[[TeacherDist], None]) -> None:
         def inside(hidden, _targets):

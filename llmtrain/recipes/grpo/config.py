@@ -70,7 +70,9 @@ class GRPOSection:
     reward_funcs: list[str] = input_path(rewards.file_of, default_factory=list)
     """Reward functions, "package.module:function" or "path/to/file.py:function", each called as TRL does:
     f(prompts, completions, completion_ids, **columns) -> list[float | None]. Built-ins:
-    llmtrain.rewards:exact_answer, llmtrain.rewards:format_regex."""
+    llmtrain.rewards:exact_answer, llmtrain.rewards:format_regex. A directory is a reward model (a sequence
+    classifier with one label, e.g. recipes/reward.py's export): prompt + completion scored with its own tokenizer
+    and chat template, frozen beside the policy under its strategy; named (rewards/<name>/*) by the directory."""
     reward_weights: list[float] = ranged("[0, inf)", default_factory=list)
     """One weight per reward function (empty: all 1); a penalty is a function returning negative rewards."""
     importance_correction: Literal["none", "tis", "mis"] = "none"

@@ -19,11 +19,11 @@ from llmtrain.rollout.record import CompletionLog, completion_metrics, tool_metr
 from llmtrain.rollout.registry import Rollout, build as build_rollout
 from llmtrain.rollout.rows import (GenerationBatch, attach_logps, attach_saved_logps, completion_mask, policy_rows,
                                    reference_logps, trainer_logps)
-from llmtrain.rollout.scoring import Scorer
+from llmtrain.rollout.scoring import ModelReward, Scorer
 from llmtrain.rollout.section import check_engine
 from llmtrain.rollout.tools import CallParser, load_tools
 from llmtrain.train.build import Run, build_data
-from llmtrain.train.frozen import FrozenModel, reference
+from llmtrain.train.frozen import FrozenModel, reference, reward_model
 from llmtrain.train.source import Batch
 from llmtrain.train.step import Share
 
@@ -184,7 +184,8 @@ class GRPO(Recipe):
         check(cfg.grpo, len(Environments(cfg.grpo.environment).reward_funcs()))
         check_batch(cfg, distributed.world_size_from_env())  # before any process group: torchrun's WORLD_SIZE
         check_engine(cfg.rollout, distributed.device_kind(cfg.distributed) == "cuda")
-        rewards.load_all(cfg.grpo.reward_funcs)  # a missing module, file or function: exit 2 here
+        # A missing module, file or function, a reward-model directory that is not one (a causal LM): exit 2 here
+        rewards.load_all(cfg.grpo.reward_funcs, trust_remote_code=cfg.model.trust_remote_code)
         rewards.reward_timeout(cfg.grpo.reward_timeout_s, cfg.distributed.timeout_s)
         if cfg.train.loss_impl == "liger":
             raise ConfigError("train.loss_impl: recipes/grpo.py takes chunked (the default) or full; liger yields "
@@ -197,8 +198,11 @@ class GRPO(Recipe):
         g, cfg = run.cfg.grpo, run.cfg
         built = build_data(run, self.unit)
         environments = Environments(g.environment)
-        funcs = rewards.load_all(g.reward_funcs) + environments.reward_funcs()
+        funcs = (rewards.load_all(g.reward_funcs, trust_remote_code=cfg.model.trust_remote_code)
+                 + environments.reward_funcs())
         ref = reference(run) if g.beta else None
+        models = {j: ModelReward(*reward_model(run, f.spec), cfg.train.micro_batch_size, run.env.device)
+                  for j, f in enumerate(funcs) if f.fn is None}
         rollout = build_rollout(cfg.rollout, run, cfg.data.seq_len + g.max_completion_length,
                                 cfg.train.micro_batch_size * cfg.train.grad_accum_steps)
         run.metrics.info(f"grpo: {run.global_batch // g.num_generations} prompts x {g.num_generations} completions "
@@ -206,12 +210,14 @@ class GRPO(Recipe):
                          f"{f' (reference: {ref.kind})' if ref else ''}, "
                          f"{g.num_iterations} update(s) per generation batch, rewards "
                          f"{', '.join(f.spec for f in funcs)}, EOS ids {rollout.eos_ids}")
+        for j, model in models.items():
+            run.metrics.info(f"grpo: reward model {funcs[j].spec} ({model.model.describe()})")
         # Every rank gets the step's whole batch of prompts (global batch / G) and samples its share of completions.
         steps = data.make_steps(built, run.global_batch // g.num_generations, 1, 1, 0, cfg.train.seed, run.env.device,
                                 run.state.data)
         scorer = Scorer(funcs, g.reward_weights, g.num_generations, g.scale_rewards,
                         rewards.reward_timeout(g.reward_timeout_s, cfg.distributed.timeout_s), run.env.rank,
-                        run.env.device)
+                        run.env.device, models)
         tool_use = None
         if g.tools or environments:
             parser = CallParser(g.tool_call_format, run.tokenizer, rollout.eos_ids)
