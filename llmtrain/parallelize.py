@@ -26,7 +26,7 @@ from transformers import PretrainedConfig
 
 from llmtrain.config import ConfigError, ParallelConfig
 from llmtrain.models import hf as model_lib
-from llmtrain.models.hf import decoder_layer_classes, decoder_layers
+from llmtrain.models.hf import decoder_layers, wrap_units
 from llmtrain.models.names import clean_name
 from llmtrain.utils import DTYPES, release_freed_memory
 # fp32 params + grads + two AdamW moments; activations and temporaries need the rest.
@@ -248,9 +248,10 @@ class FSDP1(Sharded):
 
     def wrap(self, model, section, dtype, mesh, device):
         from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
-        from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+        from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 
-        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=decoder_layer_classes(model))
+        units = {id(m) for m in wrap_units(model)}  # each decoder layer (or a VLM's part) its own unit
+        policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: id(m) in units)
         mp = None
         if dtype != torch.float32:
             mp = MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=torch.float32)
@@ -309,7 +310,7 @@ class FSDP2(Sharded):
             mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
             offload_policy=CPUOffloadPolicy() if section.cpu_offload else OffloadPolicy(),
         )
-        layers = decoder_layers(model)
+        layers = wrap_units(model)
         for i, layer in enumerate(layers):
             keep = self.trained and (i == len(layers) - 1 or not section.reshard_after_forward)
             fully_shard(layer, reshard_after_forward=not keep, **kwargs)

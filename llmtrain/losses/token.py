@@ -24,7 +24,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from llmtrain.config import ConfigError
-from llmtrain.data.formats import IGNORE
+from llmtrain.data.formats import IGNORE, model_inputs
 
 # fp32 logits of one chunk, turned into their gradient in place: few chunks keep the per-chunk
 # accumulation of the output layer's weight gradient cheap, and one buffer stays far below the full
@@ -96,7 +96,8 @@ class TokenLoss:
         self.lm = _causal_lm(model)
         cap = getattr(self.lm.config, "final_logit_softcapping", None)  # Gemma 2 / 3
         self.softcap = float(cap) if cap else None
-        self.chunk_tokens = chunk_tokens or max(MIN_CHUNK_TOKENS, CHUNK_BYTES // (4 * self.lm.config.vocab_size))
+        self.vocab_size = self.lm.config.get_text_config().vocab_size  # a VLM's: its language model's
+        self.chunk_tokens = chunk_tokens or max(MIN_CHUNK_TOKENS, CHUNK_BYTES // (4 * self.vocab_size))
         # A plain nn.Linear output layer gets the hand-written gradient (_linear_head_grads) and liger; any
         # other (PEFT's, say) has its own math, which only autograd through the module reproduces.
         self.plain_head = type(self.lm.get_output_embeddings()) is nn.Linear
@@ -149,7 +150,7 @@ class TokenLoss:
 
         with self._in_forward(probe):
             # Several distinct tokens: a padding id's embedding may be zero, and zero logits hide any scale.
-            ids = torch.arange(1, 5, device=device).remainder(self.lm.config.vocab_size)[None]
+            ids = torch.arange(1, 5, device=device).remainder(self.vocab_size)[None]
             out = model(input_ids=ids, use_cache=False, logits_to_keep=1)
         if not torch.allclose(ours[0], out.logits.float(), rtol=1e-3, atol=1e-4):
             raise ConfigError(f"train.loss_impl={self.impl}: {type(self.lm).__name__} transforms its logits after "
@@ -174,7 +175,7 @@ class TokenLoss:
 
     @staticmethod
     def _logits(model: nn.Module, batch: dict) -> torch.Tensor:
-        return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        return model(**model_inputs(batch), use_cache=False).logits
 
     def on_trained_rows(self, model: nn.Module, batch: dict, fn) -> torch.Tensor:
         """The model's forward, returning fn(final hidden states of the trained positions, their targets)."""
@@ -187,8 +188,7 @@ class TokenLoss:
             return hidden[:0]
 
         with self._in_forward(on_hidden):
-            return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
-                         labels=targets, logits_to_keep=keep).loss
+            return model(**model_inputs(batch), use_cache=False, labels=targets, logits_to_keep=keep).loss
 
     def chunk_logps(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """Log-probs (fp32) of targets under head_logits(hidden) / temperature, for one chunk of rows."""
