@@ -430,10 +430,11 @@ def without_frozen(model: nn.Module, state: dict) -> dict:
 
 
 def _blocks(model: nn.Module) -> str:
-    layers = decoder_layers(model)
+    """`2 x LlamaDecoderLayer`; a vision-language model's blocks of both towers, `2 x CLIPEncoderLayer + 2 x ...`."""
     # fully_shard swaps a layer's class for a subclass FSDP<name> made in torch.distributed: name the model's.
-    block = next(c for c in type(layers[0]).__mro__ if not c.__module__.startswith("torch.distributed"))
-    return f"{len(layers)} x {block.__name__}"
+    names = [next(c for c in type(layer).__mro__ if not c.__module__.startswith("torch.distributed")).__name__
+             for layer in decoder_layers(model)]
+    return " + ".join(f"{names.count(n)} x {n}" for n in dict.fromkeys(names))
 
 
 def _limit(max_norm: float) -> float:

@@ -21,8 +21,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from accelerate import init_empty_weights
 from safetensors import SafetensorError, safe_open
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText,
-                          AutoModelForSequenceClassification, AutoTokenizer, LlamaConfig, PretrainedConfig,
-                          PreTrainedModel)
+                          AutoModelForSequenceClassification, AutoTokenizer, LlamaConfig, PretrainedConfig)
 from transformers.core_model_loading import revert_weight_conversion
 from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
                                                     MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
@@ -273,7 +272,7 @@ def build_meta_model(config: PretrainedConfig, section: ModelConfig) -> nn.Modul
 def decoder_layer_classes(model: nn.Module) -> set[type[nn.Module]]:
     """The repeated block classes to shard/checkpoint, from the model itself (not hard-coded to Llama); a
     vision-language model's from its family's parts (both towers' blocks)."""
-    if vision.is_vision(model.config):
+    if vision.wraps_vision(model):
         return vision.block_classes(model)
     names = set(getattr(model, "_no_split_modules", None) or [])
     found = {type(m) for m in model.modules() if type(m).__name__ in names}
@@ -294,7 +293,7 @@ def wrap_units(model: nn.Module) -> list[nn.Module]:
     """The modules sharded as units of their own below the root, innermost first: the decoder layers, or a
     vision-language model's parts (models.vision.wrap_units: a frozen tower never shares a unit with trained
     weights)."""
-    return vision.wrap_units(model) if vision.is_vision(model.config) else decoder_layers(model)
+    return vision.wrap_units(model) if vision.wraps_vision(model) else decoder_layers(model)
 
 
 def _weight_files(path: Path) -> dict[str, Path]:
@@ -309,7 +308,7 @@ def _weight_files(path: Path) -> dict[str, Path]:
                       "pickled .bin weights are not loaded)")
 
 
-def _stored_names(model: nn.Module, names, path: Path) -> tuple[dict[str, Path], dict[str, str]]:
+def _stored_names(config: PretrainedConfig, names, path: Path) -> tuple[dict[str, Path], dict[str, str]]:
     """For the model's tensor `names`: ({name: its safetensors file}, {name: its name in that file}). A name the
     files lack may be stored under transformers' checkpoint layout (a vision-language model saved by
     save_pretrained: `language_model.model.layers...` for `model.language_model.layers...`): transformers' own
@@ -317,8 +316,9 @@ def _stored_names(model: nn.Module, names, path: Path) -> tuple[dict[str, Path],
     on_disk = _weight_files(path)
     absent = {n: torch.empty(0) for n in names if n not in on_disk}  # placeholders: their identity maps them back
     stored = {n: n for n in names if n in on_disk}
-    if absent:
-        lm = next(m for m in model.modules() if isinstance(m, PreTrainedModel))
+    if absent:  # the mapping is read from the modules' classes: a meta model's, unwrapped (FSDP1 wraps units)
+        with init_empty_weights():
+            lm = model_class(config).from_config(config)
         back = {id(t): n for n, t in absent.items()}
         stored |= {back[id(t)]: key for key, t in revert_weight_conversion(lm, dict(absent)).items()}
     return {n: on_disk[k] for n, k in stored.items() if k in on_disk}, stored
@@ -357,7 +357,7 @@ def load_slices(model: nn.Module, path: Path | None, config: PretrainedConfig, s
         else:
             base[base_name(name)] = target
     if path is not None:
-        files, stored = _stored_names(model, base, path)
+        files, stored = _stored_names(config, base, path)
         fresh = _fresh_heads(base, files)
         _check_complete(set(base) - fresh, files, config)
         dcp.load({stored[n]: t for n, t in base.items() if n not in fresh},
@@ -403,7 +403,7 @@ def load_units(model: nn.Module, path: Path | None, config: PretrainedConfig, se
     uses = collections.Counter(hf_names.values())  # LoRA modules_to_save: the original and its copy
     rank0 = dist.get_rank() == 0
     if path is not None:
-        files, stored = _stored_names(model, set(hf_names.values()), path)
+        files, stored = _stored_names(config, set(hf_names.values()), path)
         fresh = _fresh_heads(hf_names.values(), files)
         _check_complete(set(hf_names.values()) - fresh, files, config)
         handles = {file: safe_open(file, framework="pt") for file in set(files.values())}

@@ -2,8 +2,9 @@
 
 FAMILIES names, per model_type, the modules of its three parts as transformers 5 lays them out: the vision
 tower, the projector that maps its features into the language model, and the language model. They decide what
-model.freeze freezes and which modules become wrap units (vision blocks, the tower's remainder, the projector,
-the decoder layers: each part its own unit, so that a frozen tower never shares one with trained weights).
+model.freeze freezes and which modules become wrap units (vision blocks, the tower's other modules, the
+projector, the decoder layers: each part in units of its own, so that a frozen tower never shares one with trained
+weights).
 A family missing here is refused at set-up with the list of those that are."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torch import nn
+from transformers import PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 from llmtrain.config import ConfigError
@@ -47,6 +49,16 @@ def is_vision(config) -> bool:
     return is_vision_type(getattr(config, "model_type", None))
 
 
+def transformers_model(model: nn.Module) -> PreTrainedModel:
+    """The outermost transformers model inside any DDP / FSDP1 wrapper (module paths are relative to it)."""
+    return next(m for m in model.modules() if isinstance(m, PreTrainedModel))
+
+
+def wraps_vision(model: nn.Module) -> bool:
+    """`model` (wrapped or not) is a vision-language model."""
+    return is_vision(transformers_model(model).config)
+
+
 def check_model_dir(path: str) -> bool:
     """True when model.path holds a vision-language model (its config.json), refused in one line when its
     family is not one llmtrain knows the parts of."""
@@ -60,11 +72,15 @@ def check_model_dir(path: str) -> bool:
 
 
 def parts(model: nn.Module) -> Parts:
-    return FAMILIES[model.config.model_type]
+    return FAMILIES[transformers_model(model).config.model_type]
+
+
+def _module(model: nn.Module, path: str) -> nn.Module:
+    return transformers_model(model).get_submodule(path)
 
 
 def _params(model: nn.Module, path: str) -> set[int]:
-    return {id(p) for p in model.get_submodule(path).parameters()}
+    return {id(p) for p in _module(model, path).parameters()}
 
 
 def part_params(model: nn.Module, part: str) -> set[int]:
@@ -87,14 +103,19 @@ def freeze(model: nn.Module, frozen: list[str]) -> None:
 
 
 def wrap_units(model: nn.Module) -> list[nn.Module]:
-    """The modules each sharded as a unit, innermost first (the root is the caller's): the vision blocks, the
-    projector, the tower's remainder (embeddings, norms), the decoder layers."""
+    """The modules each sharded as a unit (the root is the caller's): the vision blocks, the projector, the
+    tower's other children with weights (embeddings, norms), the decoder layers. The tower itself is no unit:
+    it is a transformers model whose outputs (LLaVA's hidden states) transformers records by its exact class,
+    which FSDP2's wrapping replaces."""
     p = parts(model)
-    return [*model.get_submodule(p.blocks), model.get_submodule(p.projector), model.get_submodule(p.tower),
-            *model.get_submodule(p.layers)]
+    blocks, projector = list(_module(model, p.blocks)), _module(model, p.projector)
+    inner = {id(m) for m in [*blocks, projector]}
+    rest = [c for c in _module(model, p.tower).children()
+            if not any(id(m) in inner for m in c.modules()) and any(True for _ in c.parameters())]
+    return [*blocks, projector, *rest, *_module(model, p.layers)]
 
 
 def block_classes(model: nn.Module) -> set[type[nn.Module]]:
     """The repeated block classes of both towers (activation checkpointing, compile, the log)."""
     p = parts(model)
-    return {type(model.get_submodule(p.blocks)[0]), type(model.get_submodule(p.layers)[0])}
+    return {type(_module(model, p.blocks)[0]), type(_module(model, p.layers)[0])}

@@ -123,7 +123,7 @@ def build(cfg: Config, env: distributed.DistEnv, recipe: str, registered: list[R
     if not score_head:
         token_loss = loss_lib.TokenLoss(cfg.train.loss_impl, model, env.device,
                                         cfg.train.loss_chunk_tokens)  # collective
-    _describe(metrics, cfg, env, policy, model_config, token_loss)
+    _describe(metrics, cfg, env, policy, model_config, token_loss, processor)
     if state.step > 0:
         metrics.info(f"resumed at step {state.step} ({state.samples_seen} samples seen)")
     for line in point.changed:
@@ -163,12 +163,14 @@ def _resume_point(cfg: Config, recipe: str, model_config, world_size: int) -> Re
 
 
 def _describe(metrics: MetricsLogger, cfg: Config, env: distributed.DistEnv, policy: BuiltModel, model_config,
-              token_loss: loss_lib.TokenLoss | None) -> None:
+              token_loss: loss_lib.TokenLoss | None, processor=None) -> None:
     """The set-up's log lines: the model and its strategy, attention, LoRA / NF4, the loss, a disk-space warning."""
     plan = policy.plan
     metrics.info(f"model: {policy.n_params / 1e6:.2f}M parameters | {env.world_size} x {env.device.type} "
                  f"({env.backend}) | strategy {plan.strategy.name} ({plan.reason}) | {cfg.parallel.mixed_precision}")
     _, attn_why = attention.choose(cfg.model.attn_implementation, model_config)
+    if processor is not None:  # models.hf.load_model_config: transformers' own kernel for padded rows
+        attn_why = f"{cfg.model.attn_implementation} (transformers'; rows with images are padded, not packed)"
     metrics.info(f"{plan.strategy.describe(policy.model)} | attention {attn_why}")
     if cfg.lora.enabled:
         metrics.info(f"lora: {policy.params_line} | r={cfg.lora.r} alpha={cfg.lora.alpha:g} | "
