@@ -4,14 +4,16 @@ tower, the export with its processor."""
 
 from __future__ import annotations
 
+import functools
 import json
+import typing
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from helpers.procs import finish_recipe, losses, read_metrics, start_recipe
+from helpers.procs import finish_recipe, losses_by_step, read_metrics, start_recipe
 from helpers.vision import TRUST_REMOTE_CODE, make_images_data, make_vlm
 from llmtrain.config import ConfigError, DataConfig
 from llmtrain.data import vision as vision_data
@@ -55,6 +57,7 @@ def assets(tmp_path_factory) -> Path:
     return root
 
 
+@functools.cache
 def processor(assets: Path, family: str):
     return vision_data.load_processor(str(assets / family), TRUST_REMOTE_CODE[family], None)
 
@@ -63,9 +66,19 @@ def records(assets: Path) -> list[dict]:
     return [json.loads(line) for line in (assets / "data" / "train.jsonl").read_text().splitlines()]
 
 
+@functools.cache
 def encoded(assets: Path, family: str) -> list[dict]:
     proc, section = processor(assets, family), DataConfig(seq_len=128)
     return [vision_data.encode(r, section, proc, str(assets / "data")) for r in records(assets)]
+
+
+def test_freeze_choices_are_the_parts():
+    """model.freeze's choices (config.py repeats them: it imports nothing of llmtrain) are the registry's parts."""
+    from llmtrain.config import ModelConfig
+    from llmtrain.models import vision
+
+    (choices,) = typing.get_args(typing.get_type_hints(ModelConfig)["freeze"])
+    assert typing.get_args(choices) == vision.PART_NAMES
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -167,6 +180,9 @@ def _loss(model, batch) -> tuple[float, int]:
 def test_losses_match_from_pretrained_and_every_split(assets, runs, family):
     """Step 1's loss is from_pretrained's on the step's global batch (the loaded weights are its); the losses of
     1 vs 2 ranks x none/ddp/fsdp2/fsdp x accumulation agree to 1e-5."""
+    def losses(out: Path) -> list[float]:
+        return [loss for _, loss in sorted(losses_by_step(out).items())]
+
     reference = losses(runs[family, "none"])
     assert len(reference) == STEPS and reference[-1] < reference[0]
     for split in SPLITS:
