@@ -215,3 +215,26 @@ def test_frozen_tower_and_export(assets, runs, family):
         sums = [_loss(trained, vision_data.collate(rows[i:i + 2], proc)) for i in range(0, len(rows), 2)]
         val = [r["val_loss"] for r in read_metrics(runs[family, split]) if "val_loss" in r][-1]
         assert sum(s for s, _ in sums) / sum(n for _, n in sums) == pytest.approx(val, abs=1e-5), split
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_image_matches_transformers(assets, family, capsys):
+    """`python -m llmtrain.tools.generate --image` prints transformers' greedy answer about the image; a text-only
+    model or a missing image is one line, exit 2."""
+    from llmtrain.tools import generate
+
+    model_dir, image = assets / family, assets / "data" / "images" / "0.png"
+    args = ["--model", str(model_dir), "--image", str(image), "--prompt", "What colour is it?", "--max-new-tokens", "6"]
+    assert generate.main(args + (["--trust-remote-code"] if TRUST_REMOTE_CODE[family] else [])) == 0
+    printed = capsys.readouterr().out.strip()
+    proc = processor(assets, family)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]}]
+    inputs = proc.apply_chat_template(messages, tokenize=True, return_dict=True, add_generation_prompt=True,
+                                      processor_kwargs={"images": [vision_data._open(str(image))],
+                                                        "return_tensors": "pt"})
+    out = model.generate(**inputs, max_new_tokens=6, do_sample=False,
+                         eos_token_id=generate.stop_token_ids(model, proc.tokenizer))
+    assert printed == proc.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    assert generate.main(["--model", str(model_dir), "--image", "gone.png", "--prompt", "x"]) == 2
+    assert "--image gone.png: no such file" in capsys.readouterr().err
