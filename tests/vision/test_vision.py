@@ -42,6 +42,8 @@ train:
   seed: {seed}
 eval:
   every_steps: {steps}
+checkpoint:
+  every_steps: 2
 log:
   every_steps: 1
   progress: false
@@ -192,6 +194,28 @@ def test_losses_match_from_pretrained_and_every_split(assets, runs, family):
     model = AutoModelForImageTextToText.from_pretrained(assets / family, dtype=torch.float32)
     loss, n = _loss(model, vision_data.collate([rows[i] for i in first], processor(assets, family)))
     assert loss / n == pytest.approx(reference[0], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_resume_two_ranks_to_one_is_exact(assets, runs):
+    """fsdp2 on 2 ranks checkpointed at step 2, resumed by 1 process without a wrapper: step 3's loss and the
+    export are the uninterrupted run's."""
+    out, running = {}, []
+    for family in FAMILIES:
+        out[family] = assets / "runs" / f"{family}-resumed"
+        running.append(start_recipe(out[family], f"model.path={assets / family}",
+                                    f"model.trust_remote_code={str(TRUST_REMOTE_CODE[family]).lower()}",
+                                    f"checkpoint.resume={runs[family, 'fsdp2'] / 'checkpoints' / 'step_2'}",
+                                    "eval.every_steps=0", config=assets / "run.yaml"))
+    for proc in running:
+        finish_recipe(proc)
+    for family in FAMILIES:
+        assert list(losses_by_step(out[family])) == [3]
+        assert losses_by_step(out[family])[3] == pytest.approx(losses_by_step(runs[family, "none"])[3], abs=1e-5)
+        resumed = AutoModelForImageTextToText.from_pretrained(out[family] / "hf", dtype=torch.float32)
+        reference = dict(AutoModelForImageTextToText.from_pretrained(runs[family, "none"] / "hf").named_parameters())
+        for name, p in resumed.named_parameters():
+            torch.testing.assert_close(p, reference[name], rtol=0, atol=1e-5, msg=name)
 
 
 @pytest.mark.slow
