@@ -139,7 +139,9 @@ def render(processor, conversations: list[list[dict]], images: list[list]) -> di
     """The processor's batch (padded right, tensors) with the assistant tokens' mask."""
     return processor.apply_chat_template(
         conversations, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
-        processor_kwargs={"images": images if any(images) else None, "padding": True, "return_tensors": "pt"})
+        # The template writes the special tokens itself (as for text chat, and as TRL passes it).
+        processor_kwargs={"images": images if any(images) else None, "padding": True, "return_tensors": "pt",
+                          "add_special_tokens": False})
 
 
 def encode(record: dict, section: DataConfig, processor, base: str) -> dict:

@@ -59,7 +59,8 @@ def build_model(section: ModelConfig, config: PretrainedConfig, parallel: Parall
                                    dtype=frozen_dtype or frozen_next_to.plan.dtype)
         mesh = frozen_next_to.mesh
     model = parallelize.parallelize(model, parallel, plan, mesh, env.device)
-    if load or adapters is not None:  # LoRA: a checkpoint holds only the adapters; the base comes from here
+    if load or frozen_bytes:  # a checkpoint holds the trained weights only: the frozen (a LoRA base, a frozen
+        # vision tower) come from here
         plan.strategy.load(model, Path(section.path) if section.path is not None else None, config, seed, adapters)
         hf.check_initialized(model)  # before nf4, whose 4-bit weights it cannot read
     quantized = None
