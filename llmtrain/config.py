@@ -84,6 +84,9 @@ class ModelConfig:
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flex_attention"] = "sdpa"
     """Attention kernel passed to transformers (sdpa: packed rows skip the masked half;
     llmtrain/models/attention.py); a family without it (Gemma2: no sdpa) gets eager, logged."""
+    freeze: list[Literal["vision_tower", "projector", "language_model"]] = field(
+        default_factory=lambda: ["vision_tower"])
+    """A vision-language model's parts left untrained (docs/vision.md); [] trains all three. Text models: unused."""
 
 
 @dataclass

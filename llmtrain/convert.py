@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from llmtrain.checkpoint import HF_CONFIG_DIR, STATE_FILE, is_complete, verify
 from llmtrain.config import ConfigError, load_config
 from llmtrain.export import LORA_OUTPUTS, write_adapter, write_hf
-from llmtrain.models import lora, nf4
-from llmtrain.models.hf import WEIGHTS_FILE, WEIGHTS_INDEX, build_meta_model
+from llmtrain.models import lora, nf4, vision
+from llmtrain.models.hf import WEIGHTS_FILE, WEIGHTS_INDEX, build_meta_model, model_type
 from llmtrain.utils import DTYPES, nesting
 
 PREFIX = "model."
@@ -149,6 +149,10 @@ def convert(ckpt: Path, out: Path, dtype: str, max_shard_size: str, overwrite: b
     """The checkpoint's export written to `out` (a LoRA checkpoint's to out/adapter and/or out/hf, as its
     lora.export says). A non-empty `out` is replaced only with `overwrite`, and only when it is a previous export:
     refused (before the checkpoint is read) otherwise (check_out). CheckpointError names what is wrong."""
+    if vision.is_vision_type(model_type(ckpt / HF_CONFIG_DIR)):
+        raise CheckpointError(f"{ckpt} is a vision-language model's checkpoint, which holds its trained weights only "
+                              "(not the frozen vision tower): convert does not write its export yet; the run's "
+                              "output_dir/hf is written at the end (checkpoint.export_every_steps: during the run)")
     cfg = lora_config(ckpt) if is_lora(ckpt) else None
     targets = [out] if cfg is None else [out / name for name in LORA_OUTPUTS[cfg.lora.export]]
     check_out(ckpt, out, None if cfg is None else LORA_OUTPUTS[cfg.lora.export], cfg and cfg.model.path, overwrite)

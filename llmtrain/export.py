@@ -44,8 +44,9 @@ def _fresh(out: Path) -> Path:
 
 
 def write_hf(state: dict[str, torch.Tensor], out: Path, config, tokenizer, dtype: torch.dtype,
-             max_shard_size: str = "5GB") -> None:
-    """A directory that transformers' from_pretrained loads with no llmtrain import."""
+             max_shard_size: str = "5GB", processor=None) -> None:
+    """A directory that transformers' from_pretrained loads with no llmtrain import; a vision-language model's
+    with its processor's files (processor and image-processor config, chat template, tokenizer)."""
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     state = {k: v.to(dtype).contiguous() for k, v in state.items()}
@@ -68,10 +69,10 @@ def write_hf(state: dict[str, torch.Tensor], out: Path, config, tokenizer, dtype
     generation = GenerationConfig.from_model_config(config)
     # A chat-trained model ends its turn with the template's end-of-turn token: plain `generate` (and any
     # server reading generation_config.json) must stop there too, as Llama 3's own release lists both.
-    stop = stop_ids(config.eos_token_id, tokenizer)
+    stop = stop_ids(config.get_text_config().eos_token_id, tokenizer)
     generation.eos_token_id = stop if len(stop) > 1 else stop[0] if stop else None
     generation.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    (processor or tokenizer).save_pretrained(tmp)
     publish(tmp, out, keep="step_*")  # the exports made during training stay
 
 
@@ -159,12 +160,13 @@ def _bytes(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> 
 
 
 def export_hf(model: nn.Module, strategy: Strategy, device: torch.device, out: str | Path, config, tokenizer,
-              dtype: torch.dtype = torch.float32, max_shard_size: str = "5GB", wait_minutes: float = 0.0) -> None:
+              dtype: torch.dtype = torch.float32, max_shard_size: str = "5GB", wait_minutes: float = 0.0,
+              processor=None) -> None:
     """Collective: all ranks gather, rank 0 writes (see `write_until_fits`), all ranks learn the outcome."""
     state, out = hf_state(model, strategy, device), Path(out)
     main = dist.get_rank() == 0
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()  # written once (write_hf)
-    write = (lambda: write_hf(dict(state), out, config, tokenizer, dtype, max_shard_size)) if main else None
+    write = (lambda: write_hf(dict(state), out, config, tokenizer, dtype, max_shard_size, processor)) if main else None
     write_until_fits(write, out, _bytes({k: v for k, v in state.items() if k not in tied}, dtype), wait_minutes)
 
 

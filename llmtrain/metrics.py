@@ -100,7 +100,9 @@ def flops_per_token(n_params: int, n_layers: int, attn_dim: int, seq_len: int,
 
 def model_flops_per_token(config, n_params: int, seq_len: int, n_trained: int | None = None) -> float:
     """flops_per_token from a transformers config (Llama-style: hidden_size, num_hidden_layers, ...);
-    n_trained: the trained parameters when the others are frozen (LoRA), None for full fine-tuning."""
+    n_trained: the trained parameters when the others are frozen (LoRA), None for full fine-tuning. A
+    vision-language model's: its language model's (the text tokens' cost; image tokens run the same layers)."""
+    config = config.get_text_config()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     untied = 0 if getattr(config, "tie_word_embeddings", False) else config.vocab_size * config.hidden_size
     return flops_per_token(n_params, config.num_hidden_layers, config.num_attention_heads * head_dim, seq_len,

@@ -27,7 +27,7 @@ from transformers import PretrainedConfig
 from llmtrain.config import ConfigError, ParallelConfig
 from llmtrain.models import hf as model_lib
 from llmtrain.models import ulysses
-from llmtrain.models.hf import decoder_layer_classes, decoder_layers
+from llmtrain.models.hf import decoder_layers, wrap_units
 from llmtrain.models.names import clean_name
 from llmtrain.utils import DTYPES, release_freed_memory
 # fp32 params + grads + two AdamW moments; activations and temporaries need the rest.
@@ -251,9 +251,10 @@ class FSDP1(Sharded):
 
     def wrap(self, model, section, dtype, mesh, device):
         from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
-        from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+        from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 
-        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=decoder_layer_classes(model))
+        units = {id(m) for m in wrap_units(model)}  # each decoder layer (or a VLM's part) its own unit
+        policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: id(m) in units)
         mp = None
         if dtype != torch.float32:
             mp = MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=torch.float32)
@@ -312,7 +313,7 @@ class FSDP2(Sharded):
             mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
             offload_policy=CPUOffloadPolicy() if section.cpu_offload else OffloadPolicy(),
         )
-        layers = decoder_layers(model)
+        layers = wrap_units(model)
         for i, layer in enumerate(layers):
             keep = self.trained and (i == len(layers) - 1 or not section.reshard_after_forward)
             fully_shard(layer, reshard_after_forward=not keep, **kwargs)
@@ -432,10 +433,11 @@ def without_frozen(model: nn.Module, state: dict) -> dict:
 
 
 def _blocks(model: nn.Module) -> str:
-    layers = decoder_layers(model)
+    """`2 x LlamaDecoderLayer`; a vision-language model's blocks of both towers, `2 x CLIPEncoderLayer + 2 x ...`."""
     # fully_shard swaps a layer's class for a subclass FSDP<name> made in torch.distributed: name the model's.
-    block = next(c for c in type(layers[0]).__mro__ if not c.__module__.startswith("torch.distributed"))
-    return f"{len(layers)} x {block.__name__}"
+    names = [next(c for c in type(layer).__mro__ if not c.__module__.startswith("torch.distributed")).__name__
+             for layer in decoder_layers(model)]
+    return " + ".join(f"{names.count(n)} x {n}" for n in dict.fromkeys(names))
 
 
 def _limit(max_norm: float) -> float:

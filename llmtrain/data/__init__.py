@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from llmtrain.config import ConfigError, DataConfig, SourceConfig, template_file
-from llmtrain.data import sources as sources_lib
+from llmtrain.data import sources as sources_lib, vision
 from llmtrain.data.formats import FORMATS, IGNORE, SAMPLE_INDEX, BadRecord, Format, Rows, prepare_tokenizer
 from llmtrain.data.packing import RowBuilder, to_rows
 from llmtrain.data.sampling import GlobalOrderSampler, step_batches
@@ -156,21 +156,25 @@ def _where(index: int, examples, parts: list[sources_lib.Part]) -> str:
     return f"record {index + 1}"
 
 
-def _examples(path: str, fmt: str, key: str, section: DataConfig, tokenizer, stats: Stats):
+def _examples(path: str, fmt: str, key: str, section: DataConfig, tokenizer, stats: Stats, processor=None):
+    """processor: a vision-language model's (data/vision.py), which renders chat records with their images
+    (found next to their data file) in place of the tokenizer."""
     from datasets import concatenate_datasets
 
-    def encode(ds, name: str):
+    def encode(ds, name: str, folder: Path):
         return ds.map(_encode_batch, batched=True, remove_columns=ds.column_names, desc=f"tokenize {name}",
                       # The Format itself, not its name: datasets' cache key hashes functions by name only, so
                       # the format's definition (its columns among it) is what tells a cache of older rows apart.
-                      fn_kwargs={"section": section, "fmt": FORMATS[fmt], "tokenizer": tokenizer})
+                      fn_kwargs={"section": section, "tokenizer": processor or tokenizer,
+                                 "fmt": FORMATS[fmt] if processor is None else vision.chat_format(folder)})
 
     encoded, parts = [], []
     for ds, part in sources_lib.load(path, key):
+        name, folder = Path(part.name).name, Path(part.name) if Path(part.name).is_dir() else Path(part.name).parent
         try:
-            encoded.append(encode(ds, Path(part.name).name))
+            encoded.append(encode(ds, name, folder))
         except UnicodeDecodeError:  # pyarrow keeps JSON strings' bytes unchecked until they are read as text
-            encoded.append(encode(sources_lib.read_numbered(part.name), Path(part.name).name))
+            encoded.append(encode(sources_lib.read_numbered(part.name), name, folder))
         parts.append(sources_lib.Part(part.name, len(encoded[-1])))
     ds = concatenate_datasets(encoded) if len(encoded) > 1 else encoded[0]
     errors = ds["error"]
@@ -222,15 +226,16 @@ class Built:
 
 
 def build(section: DataConfig, tokenizer, seed: int, is_main: bool = True, rank: int = 0,
-          world_size: int = 1) -> Built:
+          world_size: int = 1, processor=None) -> Built:
     """Train (and validation) rows. Collective when a process group exists: rank 0 tokenizes first
-    (filling the datasets cache), the others wait, then read the cache."""
-    note = prepare_tokenizer(tokenizer, formats_used(section), chat_template(section))
+    (filling the datasets cache), the others wait, then read the cache. processor: a vision-language model's,
+    which renders the chat records with their images (data/vision.py, its chat template its own)."""
+    note = None if processor else prepare_tokenizer(tokenizer, formats_used(section), chat_template(section))
     distributed = dist.is_initialized()
     if distributed and not is_main:
         dist.barrier()
     try:
-        built = _build(section, tokenizer, seed, rank, world_size)
+        built = _build(section, tokenizer, seed, rank, world_size, processor)
     finally:
         if distributed and is_main:
             dist.barrier()
@@ -240,17 +245,17 @@ def build(section: DataConfig, tokenizer, seed: int, is_main: bool = True, rank:
     return built
 
 
-def _build(section: DataConfig, tokenizer, seed: int, rank: int, world_size: int) -> Built:
+def _build(section: DataConfig, tokenizer, seed: int, rank: int, world_size: int, processor) -> Built:
     from datasets import interleave_datasets
 
     stats = Stats(streaming=section.streaming)
-    kind = rows_kind(section)
+    kind = rows_kind(section) if processor is None else vision.IMAGE_ROWS
     val = None
     if section.streaming:
         train = StreamingRows(section, tokenizer, seed, rank, world_size)
     else:
         parts = [_examples(s.path, s.format, f"data.sources[{i}].path" if section.sources else "data.path",
-                           section, tokenizer, stats) for i, s in enumerate(sources(section))]
+                           section, tokenizer, stats, processor) for i, s in enumerate(sources(section))]
         if len(parts) > 1:
             weights = [s.weight for s in section.sources]
             parts = [interleave_datasets(parts, probabilities=[w / sum(weights) for w in weights], seed=seed,
@@ -270,10 +275,11 @@ def _build(section: DataConfig, tokenizer, seed: int, rank: int, world_size: int
         train = train.with_format("torch")
     if section.val_path:
         val_examples = _examples(section.val_path, sources(section)[0].format, "data.val_path", section, tokenizer,
-                                 Stats())
+                                 Stats(), processor)
         val = _rows(val_examples, kind, section, tokenizer, Stats())
-    return Built(train, val.with_format("torch") if val is not None else None, stats,
-                 functools.partial(kind.collate, pad_id=tokenizer.pad_token_id) if kind.collate else None)
+    collate = vision.collate_with(processor) if processor is not None else \
+        functools.partial(kind.collate, pad_id=tokenizer.pad_token_id) if kind.collate else None
+    return Built(train, val.with_format("torch") if val is not None else None, stats, collate)
 
 
 def untrained(rows, examples, seq_len: int) -> str:

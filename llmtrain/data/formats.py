@@ -262,6 +262,17 @@ PAIR_INDEX = "pair_index"
 SAMPLE_INDEX = "sample_index"  # a training micro-batch's samples' indices in their step's global batch ([B] long):
                                # the same for any world size and split (they key LoRA's dropout masks)
 PROMPT_INDEX = "prompt_index"
+MODEL_INPUT = "model_input."  # a micro-batch's other tensors for the model's forward, by their argument's name
+                              # after this prefix (a VLM processor's pixel_values, attention_mask: data/vision.py)
+
+
+def model_inputs(batch: dict) -> dict:
+    """What the model's forward takes from a micro-batch of token rows: the ids, their positions when the rows
+    carry them (packed or padded text rows), and every MODEL_INPUT tensor."""
+    inputs = {"input_ids": batch["input_ids"]}
+    if "position_ids" in batch:
+        inputs["position_ids"] = batch["position_ids"]
+    return {**inputs, **{k[len(MODEL_INPUT):]: v for k, v in batch.items() if k.startswith(MODEL_INPUT)}}
 
 
 def _prompt_columns(encoded: tuple[list[int], Any, dict], fmt: Format, section: DataConfig) -> dict:

@@ -31,6 +31,9 @@ def parse_turns(raw, role_key: str = "role", content_key: str = "content") -> li
         role = SHAREGPT_ROLES.get(turn.get(role_key)) if role_key == "from" else turn.get(role_key)
         if role not in ("system", "user", "assistant"):
             raise BadRecord(f"unknown role {turn.get(role_key)!r}")
+        if isinstance(turn.get(content_key), list):  # parts: images and text (TRL's vision-language shape)
+            raise BadRecord(f"a {role} turn's {content_key!r} is a list of parts (images): model.path is a text-only "
+                            "model; train a vision-language model on it (docs/vision.md)")
         if not isinstance(turn.get(content_key), str):
             raise BadRecord(f"a {role} turn has no text {content_key!r}")
         messages.append({"role": role, "content": turn[content_key]})

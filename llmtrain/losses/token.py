@@ -24,7 +24,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from llmtrain.config import ConfigError
-from llmtrain.data.formats import IGNORE
+from llmtrain.data.formats import IGNORE, model_inputs
 from llmtrain.models import ulysses
 
 # fp32 logits of one chunk, turned into their gradient in place: few chunks keep the per-chunk
@@ -107,7 +107,8 @@ class TokenLoss:
         self.lm = _causal_lm(model)
         cap = getattr(self.lm.config, "final_logit_softcapping", None)  # Gemma 2 / 3
         self.softcap = float(cap) if cap else None
-        self.chunk_tokens = chunk_tokens or max(MIN_CHUNK_TOKENS, CHUNK_BYTES // (4 * self.lm.config.vocab_size))
+        self.vocab_size = self.lm.config.get_text_config().vocab_size  # a VLM's: its language model's
+        self.chunk_tokens = chunk_tokens or max(MIN_CHUNK_TOKENS, CHUNK_BYTES // (4 * self.vocab_size))
         # A plain nn.Linear output layer gets the hand-written gradient (_linear_head_grads) and liger; any
         # other (PEFT's, say) has its own math, which only autograd through the module reproduces.
         self.plain_head = type(self.lm.get_output_embeddings()) is nn.Linear
@@ -160,7 +161,7 @@ class TokenLoss:
 
         with self._in_forward(probe):
             # Several distinct tokens: a padding id's embedding may be zero, and zero logits hide any scale.
-            ids = torch.arange(1, 5, device=device).remainder(self.lm.config.vocab_size)[None]
+            ids = torch.arange(1, 5, device=device).remainder(self.vocab_size)[None]
             out = model(input_ids=ids, use_cache=False, logits_to_keep=1)
         if not torch.allclose(ours[0], out.logits.float(), rtol=1e-3, atol=1e-4):
             raise ConfigError(f"train.loss_impl={self.impl}: {type(self.lm).__name__} transforms its logits after "
@@ -170,7 +171,7 @@ class TokenLoss:
         """The summed next-token loss of this rank's tokens (its slice of the rows under a sequence split)."""
         if self.impl == "full":
             with self.split(batch) as part:
-                return targets_loss_sum(self._logits(model, part), part.targets)
+                return targets_loss_sum(self._logits(model, batch, part), part.targets)
         return self.on_trained_rows(model, batch, self._liger if self.impl == "liger" else self._chunked)
 
     def token_logps(self, model: nn.Module, batch: dict, temperature: float = 1.0) -> torch.Tensor:
@@ -180,7 +181,7 @@ class TokenLoss:
         the logits (after any soft-capping), as TRL does for GRPO's sampled completions."""
         if self.impl == "full":
             with self.split(batch) as part:
-                return targets_logps(self._logits(model, part), part.targets, temperature)
+                return targets_logps(self._logits(model, batch, part), part.targets, temperature)
         if self.impl == "liger":  # recipes refuse it before start-up; this names the reason for library callers
             raise ConfigError("train.loss_impl=liger yields only a summed loss, not per-token log-probs; "
                               "use train.loss_impl=chunked or full")
@@ -189,12 +190,20 @@ class TokenLoss:
     def split(self, batch: dict):
         """The rows' inputs and next-token targets (ulysses.Split): this rank's slice of them under a sequence
         split, active for the forwards inside the block; the whole rows otherwise."""
-        return ulysses.split(self.sp_group, batch["input_ids"], batch["position_ids"],
+        return ulysses.split(self.sp_group, batch["input_ids"], batch.get("position_ids"),
                              next_token_targets(batch["labels"]), IGNORE)
 
     @staticmethod
-    def _logits(model: nn.Module, part: ulysses.Split) -> torch.Tensor:
-        return model(input_ids=part.input_ids, position_ids=part.position_ids, use_cache=False).logits
+    def _inputs(batch: dict, part: ulysses.Split) -> dict:
+        """The forward's inputs: every model input of the rows (data.formats.model_inputs: a VLM's pixel values
+        too), with this rank's slice of the ids and positions under a sequence split (text rows only)."""
+        inputs = model_inputs(batch)
+        if part.group is not None:
+            inputs |= {"input_ids": part.input_ids, "position_ids": part.position_ids}
+        return inputs
+
+    def _logits(self, model: nn.Module, batch: dict, part: ulysses.Split) -> torch.Tensor:
+        return model(**self._inputs(batch, part), use_cache=False).logits
 
     def on_trained_rows(self, model: nn.Module, batch: dict, fn) -> torch.Tensor:
         """The model's forward, returning fn(final hidden states of the trained positions, their targets)
@@ -208,8 +217,8 @@ class TokenLoss:
                 return hidden[:0]
 
             with self._in_forward(on_hidden):
-                return model(input_ids=part.input_ids, position_ids=part.position_ids, use_cache=False,
-                             labels=part.targets, logits_to_keep=keep).loss
+                return model(**self._inputs(batch, part), use_cache=False, labels=part.targets,
+                             logits_to_keep=keep).loss
 
     def chunk_logps(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """Log-probs (fp32) of targets under head_logits(hidden) / temperature, for one chunk of rows."""

@@ -15,7 +15,7 @@ from transformers import PretrainedConfig
 
 from llmtrain import distributed, optim, parallelize
 from llmtrain.config import LoraConfig, ModelConfig, ParallelConfig
-from llmtrain.models import hf, lora, nf4
+from llmtrain.models import hf, lora, nf4, vision
 
 
 @dataclass
@@ -41,6 +41,8 @@ def build_model(section: ModelConfig, config: PretrainedConfig, parallel: Parall
     model's mesh with its strategy's frozen variant (Strategy.frozen), computing in frozen_dtype (None: that
     model's compute dtype; a distillation teacher has its own)."""
     model = hf.build_meta_model(config, section)
+    if vision.is_vision(config):
+        vision.freeze(model, section.freeze)
     adapters = None
     if lora_section is not None:
         model, adapters = lora.prepare(model, lora_section, seed)
@@ -57,7 +59,8 @@ def build_model(section: ModelConfig, config: PretrainedConfig, parallel: Parall
                                    dtype=frozen_dtype or frozen_next_to.plan.dtype)
         mesh = frozen_next_to.mesh
     model = parallelize.parallelize(model, parallel, plan, mesh, env.device)
-    if load or adapters is not None:  # LoRA: a checkpoint holds only the adapters; the base comes from here
+    if load or frozen_bytes:  # a checkpoint holds the trained weights only: the frozen (a LoRA base, a frozen
+        # vision tower) come from here
         plan.strategy.load(model, Path(section.path) if section.path is not None else None, config, seed, adapters)
         hf.check_initialized(model)  # before nf4, whose 4-bit weights it cannot read
     quantized = None

@@ -20,13 +20,14 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor, distribute_tensor
 from accelerate import init_empty_weights
 from safetensors import SafetensorError, safe_open
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
-                          LlamaConfig, PretrainedConfig)
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText,
+                          AutoModelForSequenceClassification, AutoTokenizer, LlamaConfig, PretrainedConfig)
+from transformers.core_model_loading import revert_weight_conversion
 from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
                                                     MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
 
 from llmtrain.config import ConfigError, ModelConfig, suggest
-from llmtrain.models import attention
+from llmtrain.models import attention, vision
 from llmtrain.models.names import base_name, clean_name
 from llmtrain.utils import release_freed_memory
 
@@ -118,12 +119,20 @@ def check_dir(key: str, path: str | None) -> None:
         raise ConfigError(f"{key}: no such directory: {path}")
 
 
+def model_type(path: str) -> str | None:
+    """config.json's model_type of a local model directory (None for a Hub id or a directory without one)."""
+    config = Path(path) / "config.json"
+    return json.loads(config.read_text()).get("model_type") if config.is_file() else None
+
+
 def check_causal_lm(path: str) -> None:
     """Only decoder-only causal LMs train here: an encoder (BERT), an encoder-decoder (T5), a base model
     without its LM head (LlamaModel) or a classifier is refused from config.json, before any process group."""
     hf = json.loads((Path(path) / "config.json").read_text())
     archs = hf.get("architectures") or []
     model_type = hf.get("model_type")
+    if vision.check_model_dir(path):  # an image-text-to-text model: its language model is a causal LM
+        return
     if hf.get("is_encoder_decoder") or (archs and not all(CAUSAL_LM_CLASS.search(a) for a in archs)):
         raise ConfigError(f"model.path: {path} is a {', '.join(archs) or model_type} (config.json), not a "
                           "decoder-only causal LM (a ...ForCausalLM); llmtrain fine-tunes causal LMs only")
@@ -205,10 +214,14 @@ def load_model_config(section: ModelConfig, tokenizer) -> PretrainedConfig:
             config = LlamaConfig(**inline)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"model.config: {e}") from None
-    if config.vocab_size < len(tokenizer):
+    vocab_size = config.get_text_config().vocab_size
+    if vocab_size < len(tokenizer):
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
-                          f"{config.vocab_size}; use a matching tokenizer.path")
-    config._attn_implementation = attention.choose(section.attn_implementation, config)[0]
+                          f"{vocab_size}; use a matching tokenizer.path")
+    # A vision-language model's rows are padded, not packed: transformers' own kernel (the chunked sdpa assumes a
+    # causal mask, which a vision tower's attention is not).
+    config._attn_implementation = section.attn_implementation if vision.is_vision(config) else \
+        attention.choose(section.attn_implementation, config)[0]
     config.use_cache = False
     return config
 
@@ -227,7 +240,10 @@ def as_score_model(config: PretrainedConfig, tokenizer) -> PretrainedConfig:
 
 
 def model_class(config: PretrainedConfig):
-    """The transformers auto class a config is built with: a sequence classifier's (as_score_model) or a causal LM's."""
+    """The transformers auto class a config is built with: a sequence classifier's (as_score_model), an image-text
+    model's or a causal LM's."""
+    if vision.is_vision(config):
+        return AutoModelForImageTextToText
     archs = config.architectures or []
     return AutoModelForSequenceClassification if any(a.endswith("ForSequenceClassification") for a in archs) \
         else AutoModelForCausalLM
@@ -267,7 +283,10 @@ def build_meta_model(config: PretrainedConfig, section: ModelConfig) -> nn.Modul
 
 
 def decoder_layer_classes(model: nn.Module) -> set[type[nn.Module]]:
-    """The repeated block classes to shard/checkpoint, from the model itself (not hard-coded to Llama)."""
+    """The repeated block classes to shard/checkpoint, from the model itself (not hard-coded to Llama); a
+    vision-language model's from its family's parts (both towers' blocks)."""
+    if vision.wraps_vision(model):
+        return vision.block_classes(model)
     names = set(getattr(model, "_no_split_modules", None) or [])
     found = {type(m) for m in model.modules() if type(m).__name__ in names}
     if found:
@@ -281,6 +300,13 @@ def decoder_layer_classes(model: nn.Module) -> set[type[nn.Module]]:
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     classes = tuple(decoder_layer_classes(model))
     return [m for m in model.modules() if isinstance(m, classes)]
+
+
+def wrap_units(model: nn.Module) -> list[nn.Module]:
+    """The modules sharded as units of their own below the root, innermost first: the decoder layers, or a
+    vision-language model's parts (models.vision.wrap_units: a frozen tower never shares a unit with trained
+    weights)."""
+    return vision.wrap_units(model) if vision.wraps_vision(model) else decoder_layers(model)
 
 
 def _weight_files(path: Path) -> dict[str, Path]:
@@ -298,6 +324,22 @@ def _weight_files(path: Path) -> dict[str, Path]:
 def has_score_head(path: str) -> bool:
     """Whether a model directory's weights hold a sequence classifier's score head (a reward model's)."""
     return SCORE_HEAD in _weight_files(Path(path))
+
+
+def _stored_names(config: PretrainedConfig, names, path: Path) -> tuple[dict[str, Path], dict[str, str]]:
+    """For the model's tensor `names`: ({name: its safetensors file}, {name: its name in that file}). A name the
+    files lack may be stored under transformers' checkpoint layout (a vision-language model saved by
+    save_pretrained: `language_model.model.layers...` for `model.language_model.layers...`): transformers' own
+    save-time renaming (revert_weight_conversion) gives it, as from_pretrained undoes it."""
+    on_disk = _weight_files(path)
+    absent = {n: torch.empty(0) for n in names if n not in on_disk}  # placeholders: their identity maps them back
+    stored = {n: n for n in names if n in on_disk}
+    if absent:  # the mapping is read from the modules' classes: a meta model's, unwrapped (FSDP1 wraps units)
+        with init_empty_weights():
+            lm = model_class(config).from_config(config)
+        back = {id(t): n for n, t in absent.items()}
+        stored |= {back[id(t)]: key for key, t in revert_weight_conversion(lm, dict(absent)).items()}
+    return {n: on_disk[k] for n, k in stored.items() if k in on_disk}, stored
 
 
 def _random_init(config: PretrainedConfig, seed: int) -> dict[str, torch.Tensor]:
@@ -333,10 +375,11 @@ def load_slices(model: nn.Module, path: Path | None, config: PretrainedConfig, s
         else:
             base[base_name(name)] = target
     if path is not None:
-        files = _weight_files(path)
+        files, stored = _stored_names(config, base, path)
         fresh = _fresh_heads(base, files)
         _check_complete(set(base) - fresh, files, config)
-        dcp.load({n: t for n, t in base.items() if n not in fresh}, storage_reader=HuggingFaceStorageReader(str(path)))
+        dcp.load({stored[n]: t for n, t in base.items() if n not in fresh},
+                 storage_reader=HuggingFaceStorageReader(str(path)))
         for name in fresh:
             _fill(base[name], _head_init(base[name].shape, config, seed), src_rank=None)
     else:
@@ -378,7 +421,7 @@ def load_units(model: nn.Module, path: Path | None, config: PretrainedConfig, se
     uses = collections.Counter(hf_names.values())  # LoRA modules_to_save: the original and its copy
     rank0 = dist.get_rank() == 0
     if path is not None:
-        files = _weight_files(path)
+        files, stored = _stored_names(config, set(hf_names.values()), path)
         fresh = _fresh_heads(hf_names.values(), files)
         _check_complete(set(hf_names.values()) - fresh, files, config)
         handles = {file: safe_open(file, framework="pt") for file in set(files.values())}
@@ -395,7 +438,7 @@ def load_units(model: nn.Module, path: Path | None, config: PretrainedConfig, se
                 elif path is not None and hf_names[p] in fresh:
                     p.copy_(_head_init(p.shape, config, seed))
                 elif path is not None:
-                    _copy_in_blocks(p, handles[files[hf_names[p]]].get_slice(hf_names[p]))
+                    _copy_in_blocks(p, handles[files[hf_names[p]]].get_slice(stored[hf_names[p]]))
                 else:
                     name = hf_names[p]
                     uses[name] -= 1

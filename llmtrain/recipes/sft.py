@@ -55,14 +55,14 @@ class Finetune(Recipe):
 
     def setup(self, run, built):
         super().setup(run, built)
-        self.val = built.val
+        self.val, self.collate = built.val, built.collate
         self.objective = TokenObjective(run.token_loss)
 
     def val_batches(self):
         """This rank's share of the validation rows (every rank as many batches)."""
         run, cfg = self.run, self.run.cfg
         return data.eval_batches(self.val, cfg.train.micro_batch_size, run.env.dp_size, run.env.dp_rank,
-                                 cfg.eval.max_batches)
+                                 cfg.eval.max_batches, self.collate)
 
     def evaluate(self, at_step: int) -> dict:
         run = self.run

@@ -19,7 +19,8 @@ from llmtrain import checkpoint, data, distributed, export as export_lib, optim,
 from llmtrain.config import CheckpointConfig, Config, ConfigError, to_yaml
 from llmtrain.losses import token as loss_lib
 from llmtrain.metrics import METRICS_FILE, MetricsLogger
-from llmtrain.models import attention, lora
+from llmtrain.data import vision as vision_data
+from llmtrain.models import attention, lora, vision
 from llmtrain.models import hf as model_lib
 from llmtrain.models.build import BuiltModel, build_model
 from llmtrain.run import lock, preflight, resume
@@ -51,6 +52,7 @@ class Run:
     metrics: MetricsLogger
     token_loss: loss_lib.TokenLoss | None  # None for a score head (Recipe.score_head)
     preemption: distributed.PreemptionFlag
+    processor: object | None = None  # a vision-language model's (data/vision.py); its tokenizer is `tokenizer`
 
     @property
     def model(self) -> torch.nn.Module:
@@ -84,7 +86,12 @@ def build(cfg: Config, env: distributed.DistEnv, recipe: str, registered: list[R
         if env.is_main:
             print(summary, flush=True)
     lock.hold(cfg.output_dir, env.rank)  # one run per output_dir: a second one exits 2, writing nothing
-    tokenizer = model_lib.load_tokenizer(cfg.tokenizer.path or cfg.model.path, cfg.model.trust_remote_code)
+    processor = None
+    if cfg.model.path is not None and vision.is_vision_type(model_lib.model_type(cfg.model.path)):
+        processor = vision_data.load_processor(cfg.model.path, cfg.model.trust_remote_code,
+                                               data.chat_template(cfg.data))
+    tokenizer = processor.tokenizer if processor else \
+        model_lib.load_tokenizer(cfg.tokenizer.path or cfg.model.path, cfg.model.trust_remote_code)
     model_config = model_lib.load_model_config(cfg.model, tokenizer)
     if score_head:
         model_config = model_lib.as_score_model(model_config, tokenizer)
@@ -116,7 +123,7 @@ def build(cfg: Config, env: distributed.DistEnv, recipe: str, registered: list[R
     if not score_head:
         token_loss = loss_lib.TokenLoss(cfg.train.loss_impl, model, env.device,
                                         cfg.train.loss_chunk_tokens, env.sp_group)  # collective
-    _describe(metrics, cfg, env, policy, model_config, token_loss)
+    _describe(metrics, cfg, env, policy, model_config, token_loss, processor)
     if state.step > 0:
         metrics.info(f"resumed at step {state.step} ({state.samples_seen} samples seen)")
     for line in point.changed:
@@ -128,7 +135,7 @@ def build(cfg: Config, env: distributed.DistEnv, recipe: str, registered: list[R
     if env.is_main:
         (Path(cfg.output_dir) / "config.yaml").write_text(to_yaml(cfg))
     return Run(cfg, env, tokenizer, policy, opt, parallelize.grad_scaler(policy.plan, env.device), peak, global_batch,
-               ckpt, state, metrics, token_loss, preemption)
+               ckpt, state, metrics, token_loss, preemption, processor)
 
 
 class ResumePoint(NamedTuple):
@@ -156,13 +163,15 @@ def _resume_point(cfg: Config, recipe: str, model_config, world_size: int) -> Re
 
 
 def _describe(metrics: MetricsLogger, cfg: Config, env: distributed.DistEnv, policy: BuiltModel, model_config,
-              token_loss: loss_lib.TokenLoss | None) -> None:
+              token_loss: loss_lib.TokenLoss | None, processor=None) -> None:
     """The set-up's log lines: the model and its strategy, attention, LoRA / NF4, the loss, a disk-space warning."""
     plan = policy.plan
     sp = f" as {env.dp_size} data-parallel x {env.sp_size} sequence-parallel" if env.sp_size > 1 else ""
     metrics.info(f"model: {policy.n_params / 1e6:.2f}M parameters | {env.world_size} x {env.device.type}{sp} "
                  f"({env.backend}) | strategy {plan.strategy.name} ({plan.reason}) | {cfg.parallel.mixed_precision}")
     _, attn_why = attention.choose(cfg.model.attn_implementation, model_config)
+    if processor is not None:  # models.hf.load_model_config: transformers' own kernel for padded rows
+        attn_why = f"{cfg.model.attn_implementation} (transformers'; rows with images are padded, not packed)"
     metrics.info(f"{plan.strategy.describe(policy.model)} | attention {attn_why}")
     if cfg.lora.enabled:
         metrics.info(f"lora: {policy.params_line} | r={cfg.lora.r} alpha={cfg.lora.alpha:g} | "
@@ -201,7 +210,8 @@ def _export_size(cfg: Config, policy: BuiltModel) -> int:
 def build_data(run: Run, unit: str) -> data.Built:
     """The data (train and validation rows), logged; unit: what a row of the global batch is, for the log."""
     cfg, env = run.cfg, run.env
-    built = data.build(cfg.data, run.tokenizer, cfg.train.seed, env.is_main, env.dp_rank, env.dp_size)
+    built = data.build(cfg.data, run.tokenizer, cfg.train.seed, env.is_main, env.dp_rank, env.dp_size,
+                       run.processor)
     if built.stats.untrained:  # every rank finds it alike: it would export the initial model
         raise ConfigError(built.stats.untrained)
     run.metrics.info(f"data: {built.stats.summary()} | global batch {run.global_batch} {unit} of "
@@ -239,7 +249,7 @@ def export(run: Run, step_dir: str) -> list[Path]:
                                           cfg.checkpoint.max_shard_size, wait)
         out = Path(cfg.output_dir) / "hf" / step_dir
         export_lib.export_hf(run.model, run.plan.strategy, env.device, out, run.model_config, run.tokenizer, dtype,
-                             cfg.checkpoint.max_shard_size, wait)
+                             cfg.checkpoint.max_shard_size, wait, run.processor)
         return [out]
     except export_lib.ExportError as e:
         saved = checkpoint.complete_checkpoints(run.ckpt.root)

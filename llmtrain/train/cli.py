@@ -18,6 +18,7 @@ from llmtrain.config import Config, ConfigError, RunError, describe, input_paths
 from llmtrain.losses import token as loss_lib
 from llmtrain.models import hf as model_lib
 from llmtrain.models import lora, nf4, ulysses
+from llmtrain.data import vision as vision_data
 from llmtrain.train import harness
 from llmtrain.train.loop import Preempted
 from llmtrain.utils import nesting, print_piped
@@ -48,6 +49,7 @@ def setup(args: argparse.Namespace, config_cls: type[Config] = Config,
             print(line, flush=True)
     model_lib.check_paths(cfg.model, cfg.tokenizer.path)
     data.check(cfg.data)
+    vision_data.check(cfg.data, cfg.model, cfg.lora, cfg.parallel.sp_size)
     device, _ = distributed.pick_device(cfg.distributed, distributed.local_rank_from_env())
     parallelize.check(cfg.parallel, distributed.world_size_from_env(), device.type)
     if cfg.parallel.sp_size > 1:
