@@ -6,8 +6,9 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 NPROC ?= 2
 # make test's pytest workers: test modules are spread over them whole (--dist loadfile), so a module's
-# fixtures run once; on 2 cores 2 workers fill the cores a one-process run or a wait leaves idle.
-TEST_WORKERS ?= 2
+# fixtures run once. On 2 cores, 2 workers kept the CPUs 63% busy (the rest: waits for timeouts, hung ranks,
+# launches), so a third fills them.
+TEST_WORKERS ?= 3
 BIN := $(VENV)/bin
 
 .PHONY: demo test test-fast lint install clean
