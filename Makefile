@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 NPROC ?= 2
 # make test's pytest workers: test modules are spread over them whole (--dist loadfile), so a module's
-# fixtures run once. On 2 cores, 2 workers kept the CPUs 63% busy (the rest: waits for timeouts, hung ranks,
+# fixtures run once, the longest first (tests/conftest.py orders them). On 2 cores, 2 workers kept the CPUs 63% busy (the rest: waits for timeouts, hung ranks,
 # launches), so a third fills them.
 TEST_WORKERS ?= 3
 BIN := $(VENV)/bin
@@ -26,7 +26,7 @@ demo: $(BIN)/.installed
 	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) recipes/finetune.py --config configs/demo.yaml
 
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # The unit tests only: no test marked slow, and only those may start a process (tests/helpers/procs.py).
 test-fast: $(BIN)/.installed

@@ -3,6 +3,7 @@ themselves are in tests/helpers."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,16 @@ import pytest
 from helpers import procs, runs
 from helpers.export import save_baseline
 from helpers.procs import losses
+
+
+def pytest_collection_modifyitems(items):
+    """The modules with the most process-starting (slow) tests first: make test's workers take whole modules
+    in this order as they free up (--no-loadscope-reorder keeps it), so the longest start first and the short
+    ones fill the gaps at the end rather than one long module running alone there."""
+    module = [item.nodeid.split("::")[0] for item in items]
+    slow = Counter(m for m, item in zip(module, items) if item.get_closest_marker("slow"))
+    order = sorted(range(len(items)), key=lambda i: -slow[module[i]])  # stable: a module's tests stay together
+    items[:] = [items[i] for i in order]
 
 
 @pytest.hookimpl(tryfirst=True)
