@@ -36,6 +36,7 @@ class Recipe:
     final_export: bool = True  # write output_dir/hf (and adapter/) at the end
     score_head: bool = False   # the policy is a one-score sequence classifier (a reward model), not a causal LM
     sequence_parallel: bool = False  # its forwards run under parallel.sp_size > 1 (llmtrain.models.ulysses)
+    per_token_logps: bool = False  # its objective reads per-token log-probs (liger's fused loss has none)
     run: Run              # set by setup
     objective: Objective  # set by the subclass's setup
 
@@ -101,5 +102,8 @@ class Recipe:
         if cfg.parallel.sp_size > 1 and not self.sequence_parallel:
             raise ConfigError(f"parallel.sp_size={cfg.parallel.sp_size}: sequence parallelism is not supported by "
                               f"the {self.name} recipe yet (recipes/finetune.py has it); use parallel.sp_size=1")
+        if self.per_token_logps and cfg.train.loss_impl == "liger":
+            raise ConfigError(f"train.loss_impl: recipes/{self.name}.py takes chunked (the default) or full; liger's "
+                              "fused kernel yields only a summed loss, not the per-token log-probs it needs")
         self.check(cfg)
         self.check_data(cfg)

@@ -89,6 +89,7 @@ class DPO(Recipe):
     usage = USAGE
     rows = "pairs"
     unit = "pairs"
+    per_token_logps = True
 
     def check(self, cfg: DPOConfig) -> None:
         self.check_existing_model(cfg, "configs/demo-dpo.yaml")
@@ -99,9 +100,6 @@ class DPO(Recipe):
             raise ConfigError("dpo.precompute_reference covers the training pairs only, and eval.every_steps "
                               "scores the validation pairs with the reference; set eval.every_steps=0 or "
                               "dpo.precompute_reference=false")
-        if cfg.train.loss_impl == "liger":
-            raise ConfigError("train.loss_impl: recipes/dpo.py takes chunked (the default) or full; liger's fused "
-                              "kernel yields only a summed loss, not the per-token log-probs DPO needs")
 
     def setup(self, run, built) -> None:
         super().setup(run, built)

@@ -84,15 +84,13 @@ class KTO(Recipe):
     usage = USAGE
     rows = "unpaired"
     unit = "rows"
+    per_token_logps = True
 
     def check(self, cfg: KTOConfig) -> None:
         self.check_existing_model(cfg, "configs/demo-kto.yaml")
         if cfg.eval.every_steps:
             raise ConfigError("eval.every_steps: recipes/kto.py has no validation pass yet; set eval.every_steps=0 "
                               "(the training metrics rewards/chosen, rewards/rejected and kl show its progress)")
-        if cfg.train.loss_impl == "liger":
-            raise ConfigError("train.loss_impl: recipes/kto.py takes chunked (the default) or full; liger's fused "
-                              "kernel yields only a summed loss, not the per-row log-probs KTO needs")
         if cfg.data.streaming:
             raise ConfigError("data.streaming: KTO's KL rows pair each row with another row's completion in stored "
                               "order, which a stream does not have; set data.streaming=false")

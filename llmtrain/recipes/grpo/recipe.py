@@ -9,7 +9,6 @@ import time
 import torch
 
 from llmtrain import data, distributed, rewards
-from llmtrain.config import ConfigError
 from llmtrain.losses import policy
 from llmtrain.recipes.base import Recipe
 from llmtrain.recipes.grpo.config import USAGE, GRPOConfig, GRPOSection, check, check_batch
@@ -177,6 +176,7 @@ class GRPO(Recipe):
     usage = USAGE
     rows = "prompts"
     unit = "completions"
+    per_token_logps = True
 
     def check(self, cfg: GRPOConfig) -> None:
         self.check_existing_model(cfg, "configs/demo-grpo.yaml")
@@ -187,9 +187,6 @@ class GRPO(Recipe):
         # A missing module, file or function, a reward-model directory that is not one (a causal LM): exit 2 here
         rewards.load_all(cfg.grpo.reward_funcs, trust_remote_code=cfg.model.trust_remote_code)
         rewards.reward_timeout(cfg.grpo.reward_timeout_s, cfg.distributed.timeout_s)
-        if cfg.train.loss_impl == "liger":
-            raise ConfigError("train.loss_impl: recipes/grpo.py takes chunked (the default) or full; liger yields "
-                              "no per-token log-probs")
 
     def source_state(self, cfg: GRPOConfig) -> str | None:
         return "grpo_generation" if cfg.grpo.num_iterations > 1 else None
