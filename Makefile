@@ -6,8 +6,8 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 NPROC ?= 2
 # make test's pytest workers: test modules are spread over them whole (--dist loadfile), so a module's
-# fixtures run once, the longest first (tests/conftest.py orders them). On 2 cores, 2 workers kept the CPUs 63% busy (the rest: waits for timeouts, hung ranks,
-# launches), so a third fills them.
+# fixtures run once, the longest first (tests/conftest.py orders them). On 2 cores the CPUs stay 63-68% busy
+# with 2 or 3 workers alike (1096 s vs 1078 s, tests/README.md): the idle part is waits inside tests.
 TEST_WORKERS ?= 3
 BIN := $(VENV)/bin
 
