@@ -214,8 +214,10 @@ class DDP(Strategy):
         from torch.nn.parallel import DistributedDataParallel
 
         materialize(model, device)
-        # DDP broadcasts rank 0's (still uninitialised) parameters; load() then fills every rank alike.
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        # DDP broadcasts rank 0's (still uninitialised) parameters; load() then fills every rank alike. Gradients
+        # as views of the all-reduce buckets: one gradient-sized copy less, in memory and in time per step.
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                       gradient_as_bucket_view=True)
 
     @contextlib.contextmanager
     def unsharded(self, model):

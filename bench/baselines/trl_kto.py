@@ -8,7 +8,7 @@ gradient checkpointing and bf16, both on in TRL, off here as in the recipe. Runs
     torchrun --standalone --nproc_per_node=2 bench/baselines/trl_kto.py --config KTO.yaml \
         --data data/demo/unpaired.jsonl --steps 30 --warmup 5 --output-dir DIR --out result.json
 
-Counting, timing and the output JSON are bench/hf_trainer.py's; "trained" here counts rows, so
+Counting, timing and the output JSON are bench/baselines/hf_trainer.py's; "trained" here counts rows, so
 useful_tokens_per_sec is rows/s.
 """
 

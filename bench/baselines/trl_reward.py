@@ -8,8 +8,8 @@ on in TRL, off here as in the recipe. Runs in TRL's own virtual environment (ben
     torchrun --standalone --nproc_per_node=2 bench/baselines/trl_reward.py --config REWARD.yaml \
         --data data/demo/preference.jsonl --steps 30 --warmup 5 --output-dir DIR --out result.json
 
-Counting, timing and the output JSON are bench/hf_trainer.py's; "trained" here counts pairs (half the rows of a
-micro-batch), so useful_tokens_per_sec is pairs/s.
+Counting, timing and the output JSON are bench/baselines/hf_trainer.py's; "trained" here counts pairs (half the rows
+of a micro-batch), so useful_tokens_per_sec is pairs/s.
 """
 
 from __future__ import annotations

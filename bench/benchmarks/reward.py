@@ -2,13 +2,19 @@
 (bench/baselines/trl_reward.py, TRL's venv) from one causal-LM directory of llama-32k's shape on
 data/demo/preference.jsonl (bench/configs/llama-32k-reward.yaml: ddp, 2 ranks, full fine-tuning, centring on):
 pairs/s (both sides train on the same pairs per step) and peak memory per rank, --pairs pairs. Target >= 2x
-pairs/s, memory <= TRL's."""
+pairs/s, memory <= TRL's. Beside them, the floor: bench/baselines/bare_loop.py --reward, the bare DDP loop (forward,
+backward, AdamW; no data pipeline, metrics or clipping) on the same shape, rows as long as TRL's padded rows: no
+trainer of this model can beat TRL by more than the floor's ratio to TRL."""
 
 from __future__ import annotations
 
-from benchmarks.base import BENCH, Ctx
+import json
+
+import yaml
+
+from benchmarks.base import BASELINES, BENCH, SHAPE_32K, TIMEOUT, Ctx, ratio
 from benchmarks.versus import Counted, counted_vs_trl
-from common import REPO
+from common import REPO, median, torchrun
 
 REWARD = Counted("reward", REPO / "recipes" / "reward.py", BENCH / "configs" / "llama-32k-reward.yaml",
                  "trl_reward.py", "RewardTrainer", "pairs", 2.0,
@@ -19,5 +25,23 @@ REWARD = Counted("reward", REPO / "recipes" / "reward.py", BENCH / "configs" / "
 
 
 def bench(ctx: Ctx) -> dict:
-    """Pairs/s of recipes/reward.py vs TRL's RewardTrainer from one model directory, ddp, 2 ranks."""
-    return {"title": "Reward model: pairs/s vs TRL RewardTrainer", **counted_vs_trl(ctx, REWARD)}
+    """Pairs/s of recipes/reward.py vs TRL's RewardTrainer from one model directory, ddp, 2 ranks, and the bare
+    loop's floor."""
+    res = counted_vs_trl(ctx, REWARD)
+    trl = [b for _, b in res["raw"]["runs"]]
+    length = round(median([b["padded_tokens_per_sec"] / (2 * b["useful_tokens_per_sec"]) for b in trl]))
+    out = ctx.dir("reward") / "bare.json"
+    steps, warmup = (6, 2) if ctx.quick else (20, 5)
+    torchrun([BASELINES / "bare_loop.py", "--config", SHAPE_32K, "--strategy", "ddp", "--reward", "--length", length,
+              "--steps", steps, "--warmup", warmup, "--every", steps - warmup, "--out", out],
+             timeout=TIMEOUT, log=out.with_suffix(".log"))
+    floor = json.loads(out.read_text())["pairs_per_sec"]
+    micro = yaml.safe_load(SHAPE_32K.read_text())["train"]["micro_batch_size"]
+    theirs, ours = median(res["raw"]["trl_pairs_per_sec"]), median(res["raw"]["recipe_pairs_per_sec"])
+    res["table"] += (f"\n\nThe floor: bench/baselines/bare_loop.py --reward (DDP forward, backward and AdamW of the "
+                     f"same shape with a score head, {2 * micro} random rows of {length} tokens per rank, TRL's mean "
+                     f"padded length; nothing else) trains {floor:,.2f} pairs/s: {floor / theirs:.2f}x TRL's and "
+                     f"{floor / ours:.2f}x the recipe's rate.")
+    res["ratios"].append(ratio("reward: bare DDP loop (the floor) / TRL RewardTrainer pairs/s", floor / theirs))
+    res["raw"]["floor_pairs_per_sec"], res["raw"]["floor_row_length"] = floor, length
+    return {"title": "Reward model: pairs/s vs TRL RewardTrainer", **res}

@@ -224,8 +224,9 @@ def counted_vs_trl(ctx: Ctx, c: Counted) -> dict:
                       f"| **median** | {median(ours):,.2f} | {median(theirs):,.2f} | **{median(speed):.2f}** | "
                       f"{median(mem):.2f}x |"]) + (
         f"\n\nShape: {describe_shape(SHAPE_32K).split(', seq')[0]}; one random causal-LM directory "
-        f"(bench/memory_probe.py --export){c.setup(conf)}. TRL {b['trl']} {c.trainer}: gradient checkpointing "
-        f"{b['gradient_checkpointing']} and bf16={b['bf16']} (TRL turns both on by default), optimizer {b['optim']}, "
+        f"(bench/benchmarks/memory/probe.py --export){c.setup(conf)}. TRL {b['trl']} {c.trainer}: gradient "
+        f"checkpointing {b['gradient_checkpointing']} and bf16={b['bf16']} (TRL turns both on by default), optimizer "
+        f"{b['optim']}, "
         f"attention {b['attn_implementation']}, {b['wrapper']}; TRL defaults otherwise, in its own venv "
         f"({ctx.trl_venv_shown}). {steps} steps, the first {warmup} left out; time from rank 0 at the end of each "
         f"step. Peak memory: peak RSS of the process, max over ranks.")
