@@ -279,8 +279,8 @@ class CheckpointConfig:
     max_shard_size: str = "5GB"
     """Exported safetensors files are split above this size (with model.safetensors.index.json)."""
     export_wait_minutes: float = ranged("[0, 1440]", default=10.0)
-    """An export that finds the disk full keeps the weights in memory and tries again every 10 s for this
-    long while space is freed; 0 fails at once (llmtrain/export.py)."""
+    """An export that finds the disk full keeps the weights in memory and tries again every 10 s (a tenth of this
+    wait if shorter) for this long while space is freed; 0 fails at once (llmtrain/export.py)."""
 
 
 @dataclass

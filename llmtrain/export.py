@@ -28,7 +28,7 @@ from llmtrain.utils import follow_umask, free_bytes, megabytes, no_space, publis
 
 # The directories a LoRA export writes, by lora.export: adapter (PEFT) and/or hf (merged).
 LORA_OUTPUTS = {"adapter": ("adapter",), "merged": ("hf",), "both": ("adapter", "hf")}
-RETRY_S = 10.0  # between two tries of an export that did not fit
+RETRY_S = 10.0  # between two tries of an export that did not fit (at most: a tenth of a shorter wait)
 
 
 class ExportError(RuntimeError):
@@ -93,10 +93,12 @@ def write_adapter(trained: dict[str, torch.Tensor], out: Path, section: LoraConf
 
 def write_until_fits(write: Callable[[], None] | None, out: Path, size: int, wait_minutes: float) -> None:
     """Collective: rank 0 runs `write` (the other ranks pass None) until it fits. A full disk never loses the
-    weights `write` holds in memory: the partial `<out>.tmp` goes, and rank 0 tries again every RETRY_S while
-    the user frees space, for up to wait_minutes; then every rank raises ExportError saying so. Every rank
-    learns each try's outcome (a broadcast), so none dies waiting on a rank that failed."""
+    weights `write` holds in memory: the partial `<out>.tmp` goes, and rank 0 tries again every RETRY_S (a tenth of
+    wait_minutes if that is shorter) while the user frees space, for up to wait_minutes; then every rank raises
+    ExportError saying so. Every rank learns each try's outcome (a broadcast), so none dies waiting on a rank
+    that failed."""
     deadline, warned, error = time.monotonic() + 60 * wait_minutes, False, None
+    retry_s = min(RETRY_S, 6 * wait_minutes)
     while True:
         outcome = None  # None: written | "retry" | the message of a failure
         if write is not None:
@@ -110,12 +112,12 @@ def write_until_fits(write: Callable[[], None] | None, out: Path, size: int, wai
                     warned = True
                     print(f"warning: no space left on device in {out.parent}: the export {out.name} needs about "
                           f"{megabytes(size)}, {megabytes(free_bytes(out))} free. The trained weights are kept in "
-                          f"memory: free space there; retrying every {RETRY_S:g} s for up to {wait_minutes:g} "
+                          f"memory: free space there; retrying every {retry_s:g} s for up to {wait_minutes:g} "
                           "minutes (checkpoint.export_wait_minutes)", file=sys.stderr, flush=True)
         agreed = _agree([outcome])
         if agreed != "retry":
             break
-        time.sleep(RETRY_S)  # every rank: none waits in a collective meanwhile
+        time.sleep(retry_s)  # every rank: none waits in a collective meanwhile
     if agreed is None:
         return
     if error is not None:

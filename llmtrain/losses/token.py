@@ -162,7 +162,8 @@ class TokenLoss:
         with self._in_forward(probe):
             # Several distinct tokens: a padding id's embedding may be zero, and zero logits hide any scale.
             ids = torch.arange(1, 5, device=device).remainder(self.vocab_size)[None]
-            out = model(input_ids=ids, use_cache=False, logits_to_keep=1)
+            with torch.compiler.set_stance("force_eager"):  # parallel.compile: no compile (under no_grad) for it
+                out = model(input_ids=ids, use_cache=False, logits_to_keep=1)
         if not torch.allclose(ours[0], out.logits.float(), rtol=1e-3, atol=1e-4):
             raise ConfigError(f"train.loss_impl={self.impl}: {type(self.lm).__name__} transforms its logits after "
                               "the output layer in a way llmtrain does not reproduce; use train.loss_impl=full")

@@ -25,9 +25,11 @@ class TimedOut(RuntimeError):
 
 
 def env(extra: dict | None = None) -> dict:
-    """This process's environment with one thread per process (torchrun's own default for several ranks),
-    no Hugging Face Hub and unbuffered output; `extra` last."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(extra or {})}
+    """This process's environment with one thread per process (torchrun's own default for several ranks; inductor
+    compiles in the process rather than in a pool of fresh interpreters, each importing torch), no Hugging Face
+    Hub and unbuffered output; `extra` last."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1", "PYTHONUNBUFFERED": "1",
+            "HF_HUB_OFFLINE": "1", **(extra or {})}
 
 
 def command(args: list, nproc: int = 1, torchrun: bool | None = None,

@@ -38,9 +38,10 @@ def hangs(prompts, completions, completion_ids, **kw):
     return [0.0] * len(completions)
 def hangs_unstoppably(prompts, completions, completion_ids, **kw):
     import os, signal, time
-    if os.environ["RANK"] == "1":  # ignores grpo.reward_timeout_s's alarm: the collective's timeout ends it
-        signal.signal(signal.SIGALRM, signal.SIG_IGN)
-        time.sleep(50)
+    if os.environ["RANK"] == "1":  # ignores grpo.reward_timeout_s's alarm: the collective's timeout ends it,
+        signal.signal(signal.SIGALRM, signal.SIG_IGN)  # then torchrun's SIGTERM kills it (not a step later)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        time.sleep(600)
     return [0.0] * len(completions)
 """
 

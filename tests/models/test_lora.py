@@ -79,7 +79,8 @@ def test_lora_losses_match_across_strategies_ranks_and_accumulation(lora_runs):
 @pytest.mark.slow
 def test_lora_with_compile_gives_the_same_losses(tmp_path, lora_runs, base):
     """parallel.compile=true (inductor, each decoder layer with its PEFT adapters) under fsdp2 on 2 ranks: the
-    uncompiled run's losses. Alone rather than side by side: compiling takes ~1 min of both cores."""
+    uncompiled run's losses. Alone rather than side by side: compiling (twice per rank: the first layer's input
+    takes no gradient, the second's does) takes most of a minute of both cores."""
     run_recipe(tmp_path, *lora_args(base, "parallel.strategy=fsdp2", "parallel.compile=true",
                                     "train.micro_batch_size=2"), nproc=2, timeout=600)
     assert losses(tmp_path) == pytest.approx(losses(lora_runs["none"]), abs=TOL)

@@ -130,7 +130,7 @@ def test_final_export_waits_for_space_and_keeps_the_weights(small_fs):
     out = small_fs / "out"
     out.mkdir()
     filler = fill(small_fs, leave_mib=3)
-    proc = start_recipe(out, *TWO_RANKS, *BIGGER, "checkpoint.export_wait_minutes=2", nproc=2)
+    proc = start_recipe(out, *TWO_RANKS, *BIGGER, "checkpoint.export_wait_minutes=0.5", nproc=2)
     seen: list[str] = []
 
     def watch():  # the user reads the warning and frees space
@@ -150,7 +150,7 @@ def test_final_export_waits_for_space_and_keeps_the_weights(small_fs):
     assert rc == 0, "".join(seen)[-3000:]
     warning = next(line for line in seen if line.startswith("warning: no space left on device"))
     assert f"in {out}: the export hf needs about" in warning
-    assert "The trained weights are kept in memory: free space there; retrying every 10 s for up to 2 minutes" \
+    assert "The trained weights are kept in memory: free space there; retrying every 3 s for up to 0.5 minutes" \
         in warning
     assert len(load_file(out / "hf" / "model.safetensors")) == 20  # embed + 2 x 9 per layer + norm (tied head)
     assert not (out / "hf.tmp").exists()

@@ -86,7 +86,7 @@ def test_second_run_exits_2_touching_nothing_and_a_killed_runs_lock_is_taken_ove
     os.killpg(first.pid, signal.SIGKILL)  # no clean-up: the lock stays
     first.communicate()
     assert (tmp_path / LOCK_FILE).is_file()
-    res = run_recipe(tmp_path, "train.max_steps=2", torchrun=False, timeout=120)
+    res = run_recipe(tmp_path, "train.max_steps=2", timeout=120)  # forked: no imports to pay
     assert f"taking over the lock of output_dir {tmp_path}" in res.stderr
     assert f"its process {first.pid} on this host is gone" in res.stderr
     assert not (tmp_path / LOCK_FILE).exists()  # released at the end

@@ -11,7 +11,7 @@ import pytest
 from safetensors.torch import load_file
 
 from helpers import RECIPE, REPO, TINY, forkserver, launcher
-from helpers.procs import TWO_RANKS, launch, losses, run_recipe
+from helpers.procs import TWO_RANKS, finish_recipe, launch, losses, run_recipe, start_recipe
 from helpers.runs import Run
 
 TOL = 2e-5
@@ -50,22 +50,25 @@ def test_a_run_forked_by_the_tests_fork_server_is_a_fresh_process(tmp_path, refe
     """The tests' launches of llmtrain's entry points run as children of helpers/forkserver.py (imports done
     once; several ranks without torchrun's agent): the same losses, bit for bit, as `python recipes/finetune.py`
     in a fresh interpreter and as torchrun's 2 ranks (the shared reference and 2-rank runs were forked); the same
-    output and exit status for a bad key."""
+    output and exit status for a bad key. All started at once: each fresh process spends seconds importing."""
     fresh = launcher.start(launcher.command([RECIPE, "--config", TINY, f"output_dir={tmp_path / 'one'}",
                                              "parallel.strategy=none"]))
     assert isinstance(fresh, launcher.subprocess.Popen)
+    two = start_recipe(tmp_path / "two", *TWO_RANKS, nproc=2, torchrun=True)
+    other = launcher.spawn(["-c", "raise SystemExit(3)"])  # not llmtrain's: a fresh process
+    assert isinstance(other, launcher.subprocess.Popen)
+    bad = [(argv, code, launcher.start(launcher.command(argv)), launcher.spawn(argv))
+           for argv, code in (([RECIPE, "--config", TINY, "train.lrr=1"], 2),
+                              (["-m", "llmtrain.convert", str(tmp_path / "missing"), str(tmp_path / "out")], 2))]
     res = launcher.finish(fresh, 240)
     assert res.returncode == 0, res.stderr[-3000:]
     assert losses(tmp_path / "one") == reference
-    run_recipe(tmp_path / "two", *TWO_RANKS, nproc=2, torchrun=True)
+    finish_recipe(two)
     assert losses(tmp_path / "two") == two_rank_losses
-    other = launcher.spawn(["-c", "raise SystemExit(3)"])  # not llmtrain's: a fresh process
-    assert isinstance(other, launcher.subprocess.Popen) and launcher.finish(other, 60).returncode == 3
-    for argv, code in (([RECIPE, "--config", TINY, "train.lrr=1"], 2),
-                       (["-m", "llmtrain.convert", str(tmp_path / "missing"), str(tmp_path / "out")], 2)):
-        forked = launcher.spawn(argv)
+    assert launcher.finish(other, 240).returncode == 3
+    for argv, code, started, forked in bad:
         assert isinstance(forked, forkserver.Forked)
-        a, b = launcher.finish(launcher.start(launcher.command(argv)), 60), launcher.finish(forked, 60)
+        a, b = launcher.finish(started, 240), launcher.finish(forked, 240)
         assert (b.returncode, b.stdout, b.stderr) == (a.returncode, a.stdout, a.stderr)
         assert a.returncode == code, a.stderr
 
