@@ -9,8 +9,9 @@ checkpointing and bf16 off as in the recipe (TRL turns both on). Runs in TRL's o
     torchrun --standalone --nproc_per_node=2 bench/baselines/trl_grpo_agent.py --config GRPO.yaml \
         --data data/demo/agent/prompts.jsonl --steps 6 --warmup 2 --output-dir DIR --out result.json
 
-Timing and the output JSON are bench/baselines/hf_trainer.py's. Trained tokens are the trajectory tokens the loss
-covers: TRL's completion_mask x tool_mask (the model's tokens, tool results out), as the recipe's trained_tokens.
+Timing and the output JSON are bench/baselines/hf_trainer.py's, the counting trl_grpo.py's: trained tokens are the
+trajectory tokens the loss covers, TRL's completion_mask x tool_mask (the model's tokens, tool results out), as the
+recipe's trained_tokens.
 """
 
 from __future__ import annotations
@@ -25,29 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # llmtrain.rewards
 import trl
 import yaml
 from datasets import load_dataset
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOConfig
 from transformers import AutoModelForCausalLM
 from trl.chat_template_utils import llama3_template
 
 from hf_trainer import load_tokenizer, parse_args, train_and_report, training_kwargs
+from trl_grpo import CountingGRPOTrainer
 from llmtrain import rewards
-
-
-class CountingGRPOTrainer(GRPOTrainer):
-    """Counts, per optimizer step, the trajectory tokens the loss trains (completion_mask x tool_mask), the tokens
-    pushed through (prompt + completion, padded) and the real ones."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.step_trained, self.step_tokens, self.step_real = 0, 0, 0
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        completion, prompt = inputs["completion_mask"], inputs["prompt_mask"]
-        trained = completion * inputs["tool_mask"] if "tool_mask" in inputs else completion
-        self.step_trained += int(trained.sum())
-        self.step_tokens += completion.numel() + prompt.numel()
-        self.step_real += int(completion.sum() + prompt.sum())
-        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
 def environment(spec: str) -> type:
