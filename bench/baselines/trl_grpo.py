@@ -33,8 +33,9 @@ from llmtrain import rewards
 
 
 class CountingGRPOTrainer(GRPOTrainer):
-    """Counts, per optimizer step, the completion tokens the loss trains, the tokens pushed through (prompt +
-    completion, padded) and the real ones: after generation, where TRL's inputs carry the masks."""
+    """Counts, per optimizer step, the completion tokens the loss trains (with tools, TRL's completion_mask x
+    tool_mask: tool results are out of the loss), the tokens pushed through (prompt + completion, padded) and the real
+    ones: after generation, where TRL's inputs carry the masks."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -42,7 +43,8 @@ class CountingGRPOTrainer(GRPOTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         completion, prompt = inputs["completion_mask"], inputs["prompt_mask"]
-        self.step_trained += int(completion.sum())
+        trained = completion * inputs["tool_mask"] if "tool_mask" in inputs else completion
+        self.step_trained += int(trained.sum())
         self.step_tokens += completion.numel() + prompt.numel()
         self.step_real += int(completion.sum() + prompt.sum())
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)

@@ -7,16 +7,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers.agents import FORMAT, TOOLS, ScriptedEngine, stop_ids, tokenizer
+from helpers.agents import CALL, FORMAT, TOOLS, ScriptedEngine, script, stop_ids, tokenizer
 
 from llmtrain.config import ConfigError
 from llmtrain.rollout.agent import Agent, AgentError, Environments, ToolUse
 from llmtrain.rollout.engine import Sampling
 from llmtrain.rollout.tools import CallParser, as_tool, load_tools
 
-CALL = {"llama3": lambda name, args: json.dumps({"name": name, "parameters": args}),
-        "chatml": lambda name, args: "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"}
-JOIN = {"llama3": "; ", "chatml": "\n"}
 
 
 @pytest.fixture
@@ -31,16 +28,6 @@ def make_agent(style: str, timeout_s: float = 5.0, max_iterations: int | None = 
     agent = Agent(tok, CallParser(FORMAT[style], tok, stop), stop, tok.pad_token_id, max_iterations, timeout_s, 4,
                   __import__("torch").device("cpu"))
     return tok, stop[0], agent
-
-
-def script(style: str) -> dict:
-    call, join = CALL[style], JOIN[style]
-    return {(0, 0): join.join([call("lookup", {"key": "x"}), call("add", {"a": 2, "b": 3})]),  # two calls a turn
-            (0, 1): call("lookup", {"key": "y"}),                                             # a second round
-            (0, 2): "It is 42 and 7.",
-            (1, 0): "No tool needed.",                                                        # answers at once
-            (2, 0): join.join([call("nope", {}), call("broken", {"key": "k"})]),              # unknown, raises
-            (2, 1): "Sorry."}
 
 
 @pytest.mark.usefixtures("single_process_group")

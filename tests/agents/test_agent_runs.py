@@ -4,7 +4,9 @@ trajectories a step, num_iterations 2, the local engine). One process, 2 ranks f
 (lockstep decoding) and 2 ranks ddp stopped at step 3 (in a generation batch) then resumed on one process fsdp2,
 sample the same trajectories (their messages) and log the same losses, rewards and tool metrics; the length metrics
 count the model's tokens only; the transformers engine's log-probs line up with the trained tokens. An environment
-whose reset raises stops the run with one line naming its class and the row (exit 1, no export)."""
+whose reset raises, or whose get_reward returns NaN (the transformers run's environment, from its second generation
+batch, after the checkpoint of step 2), stops the run with one line naming its class and the row (exit 1, no export,
+the checkpoint intact)."""
 
 from __future__ import annotations
 
@@ -12,9 +14,11 @@ import json
 import re
 
 import pytest
-from helpers.agents import GRPO_CONFIG, REWARDS, SFT_CONFIG
+from helpers.agents import FLAKY_VAULT, GRPO_CONFIG, REWARDS, SFT_CONFIG
 from helpers.grpo import GRPO
 from helpers.procs import finish_recipe, read_metrics, run_recipe, start_recipe
+
+from llmtrain.checkpoint import verify
 
 pytestmark = pytest.mark.slow
 
@@ -24,26 +28,33 @@ KEYS = ("loss", "reward", "reward_std", "rewards/digits/mean", "tools/call_frequ
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def launched(tmp_path_factory):
+    """The runs' folder and the transformers run's result (it stops at step 3 on its environment's NaN reward)."""
     tmp = tmp_path_factory.mktemp("agent")
     (tmp / "sft.yaml").write_text(SFT_CONFIG)
     run_recipe(tmp / "sft", config=tmp / "sft.yaml")
     config = tmp / "grpo.yaml"
     (tmp / "rewards.py").write_text(REWARDS)
+    (tmp / "flaky.py").write_text(FLAKY_VAULT)
     config.write_text(GRPO_CONFIG.replace("SFT", str(tmp / "sft" / "hf")).replace("REWARDS", str(tmp / "rewards.py")))
     specs = {"one": (1, ()),
-             "transformers": (1, ("rollout.engine=transformers", "train.max_steps=2")),
+             "transformers": (1, ("rollout.engine=transformers", "train.max_steps=3", "checkpoint.every_steps=2",
+                                  f"grpo.environment={tmp / 'flaky.py'}:FlakyVault")),
              "fsdp2": (2, ("parallel.strategy=fsdp2", "train.micro_batch_size=2")),
              "fsdp": (2, ("parallel.strategy=fsdp", "train.grad_accum_steps=1")),  # lockstep: every turn collective
              "part": (2, ("parallel.strategy=ddp", "train.grad_accum_steps=1", "train.max_steps=3",
                           "checkpoint.every_steps=3"))}
     started = {key: start_recipe(tmp / key, *overrides, nproc=nproc, config=config, script=GRPO)
                for key, (nproc, overrides) in specs.items()}
-    for proc in started.values():
-        finish_recipe(proc)
+    results = {key: finish_recipe(proc, check=key != "transformers") for key, proc in started.items()}
     resumed = ("parallel.strategy=fsdp2", "train.micro_batch_size=8", "train.grad_accum_steps=1")  # onto 1 process
     run_recipe(tmp / "part", *resumed, config=config, script=GRPO)
-    return tmp
+    return tmp, results["transformers"]
+
+
+@pytest.fixture(scope="module")
+def runs(launched):
+    return launched[0]
 
 
 def records(out) -> list[dict]:
@@ -100,6 +111,19 @@ def test_a_failing_reset_stops_the_run_in_one_line(runs, tmp_path):
     assert len(lines) == 1
     assert re.match(r"error: Broken.reset raised ValueError: no vault \(prompt index \d+\)", lines[0])
     assert not (tmp_path / "out" / "hf").exists()
+
+
+def test_a_nan_from_get_reward_stops_the_run_in_one_line_after_its_checkpoint(launched):
+    tmp, res = launched
+    out = tmp / "transformers"
+    assert res.returncode == 1
+    lines = [line for line in res.stderr.splitlines() if line.startswith("error")]
+    assert len(lines) == 1 and 'grpo.py", line' not in res.stderr, res.stderr[-2000:]
+    assert re.match(r"error: reward function FlakyVault.get_reward returned nan for prompt index \d+; ", lines[0])
+    assert [r["step"] for r in records(out)] == [1, 2]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2"]
+    assert verify(out / "checkpoints" / "step_2") == []
+    assert not (out / "hf").exists()
 
 
 def test_plot_draws_the_tool_metrics(runs):

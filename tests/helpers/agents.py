@@ -5,6 +5,7 @@ special tokens), tools in a file, and ScriptedEngine: an Engine that "samples" s
 
 from __future__ import annotations
 
+import json
 import time
 
 from helpers import REPO
@@ -12,6 +13,9 @@ from helpers import REPO
 TEMPLATES = {"llama3": REPO / "configs" / "templates" / "llama3-tools.jinja",
              "chatml": REPO / "configs" / "templates" / "chatml-tools.jinja"}
 FORMAT = {"llama3": "llama3_json", "chatml": "hermes"}
+CALL = {"llama3": lambda name, args: json.dumps({"name": name, "parameters": args}),
+        "chatml": lambda name, args: "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"}
+JOIN = {"llama3": "; ", "chatml": "\n"}
 
 TOOLS = '''\
 import asyncio, time
@@ -79,6 +83,18 @@ def tokenizer(style: str):
     return tok
 
 
+def script(style: str) -> dict[tuple[int, int], str]:
+    """Three rows' turns, by (row, turn): TOOLS' lookup and add called in one turn then lookup again and an answer;
+    an answer at once; an unknown tool and the raising one, then an answer."""
+    call, join = CALL[style], JOIN[style]
+    return {(0, 0): join.join([call("lookup", {"key": "x"}), call("add", {"a": 2, "b": 3})]),  # two calls a turn
+            (0, 1): call("lookup", {"key": "y"}),                                             # a second round
+            (0, 2): "It is 42 and 7.",
+            (1, 0): "No tool needed.",                                                        # answers at once
+            (2, 0): join.join([call("nope", {}), call("broken", {"key": "k"})]),              # unknown, raises
+            (2, 1): "Sorry."}
+
+
 def stop_ids(tok, style: str) -> list[int]:
     return [tok.convert_tokens_to_ids("<|eot_id|>" if style == "llama3" else "<|im_end|>")]
 
@@ -141,4 +157,23 @@ def digits(prompts, completions, completion_ids, answer, **kw):
     # the code's digits the final message has in place, and its length: a reward that differs within every group
     return [(sum(a == b for a, b in zip(c[-1]["content"].strip(), code)) + len(c[-1]["content"]) / 10) / 3
             for c, code in zip(completions, answer)]
+"""
+FLAKY_VAULT = """\
+import math
+
+
+class FlakyVault:
+    # data/demo/agent/vault.py's tool, and a get_reward that turns NaN from the process's 9th episode on
+    episodes = 0
+
+    def reset(self, prompt, answer, **row):
+        FlakyVault.episodes += 1
+        self.code, self.episode = answer, FlakyVault.episodes
+
+    def read_code(self) -> str:
+        \"\"\"Read the vault's code.\"\"\"
+        return self.code
+
+    def get_reward(self):
+        return math.nan if self.episode > 8 else 0.0
 """
