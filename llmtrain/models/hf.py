@@ -214,6 +214,8 @@ def load_model_config(section: ModelConfig, tokenizer) -> PretrainedConfig:
             config = LlamaConfig(**inline)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"model.config: {e}") from None
+        # what loaders that pick a class by config.json (pipelines, TRL and vLLM by path) read in the export
+        config.architectures = config.architectures or ["LlamaForCausalLM"]
     vocab_size = config.get_text_config().vocab_size
     if vocab_size < len(tokenizer):
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "

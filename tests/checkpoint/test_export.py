@@ -5,6 +5,7 @@ the other runs' exports must reproduce (tests/helpers/export.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
@@ -31,6 +32,8 @@ def test_export_of_single_process_run(tmp_path, reference_run):
     assert converted.keys() == exported.keys()
     for name, tensor in exported.items():
         assert torch.equal(converted[name], tensor), name
+    for out in (tmp_path, reference_run / "hf"):  # an inline model.config's export names its class too
+        assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
 
 
 def tree(root: Path) -> dict[str, bytes]:
