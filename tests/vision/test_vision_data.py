@@ -4,6 +4,7 @@ gives; images are kept as stored until their micro-batch, and a bad one is named
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from collections import Counter
@@ -163,3 +164,32 @@ def test_a_bad_streamed_record_is_named_by_its_line(assets, tmp_path):
     section = DataConfig(path=str(data), streaming=True, **SECTION)
     with pytest.warns(UserWarning, match="image gone.png: no such file"):
         assert len(list(StreamingRows(section, proc.tokenizer, 0, 0, 1, proc).rows(0))) == len(lines) - 1
+
+
+@pytest.mark.parametrize("impl", ["chunked", "full"])
+def test_answer_accuracy_counts_the_rows_whose_every_trained_token_is_the_argmax(assets, impl, single_process_group):
+    """val_answer_accuracy (a vision-language run's eval): greedy_hits is the full logits' argmax test at every
+    trained position (chunked as full); a row counts when all of them hit. Half the rows get as labels the model's
+    own argmax (so greedy decoding gives them exactly): the accuracy is 0.5."""
+    from transformers import AutoModelForImageTextToText
+
+    from llmtrain.data.formats import IGNORE, model_inputs
+    from llmtrain.losses import token
+
+    model = AutoModelForImageTextToText.from_pretrained(assets / "llava", dtype=torch.float32)
+    rows = built_rows(assets, assets / "data" / "train.jsonl")
+    batch = vision_data.collate(rows, processor(assets))
+    with torch.no_grad():
+        argmax = model(**model_inputs(batch), use_cache=False).logits.argmax(-1)
+    trained = batch["labels"] != IGNORE
+    fixed = batch["labels"].clone()
+    fixed[1:, 1:] = torch.where(trained[1:, 1:], argmax[1:, :-1], IGNORE)  # rows 1.. answered greedily
+    half = {"labels": torch.where(torch.arange(len(rows))[:, None] % 2 == 1, fixed, batch["labels"])}
+    half = {**batch, **half}
+    loss = token.TokenLoss(impl, model, torch.device("cpu"))
+    hits = loss.greedy_hits(model, half)
+    targets = token.next_token_targets(half["labels"])
+    assert torch.equal(hits, (targets == IGNORE) | (argmax == targets))
+    assert [bool(h) for h in hits.all(-1)] == [i % 2 == 1 for i in range(len(rows))]
+    micro = [{k: v[i:i + 2] for k, v in half.items()} for i in range(0, len(rows), 2)]
+    assert token.answer_accuracy(model, micro, torch.device("cpu"), contextlib.nullcontext, loss) == 0.5
