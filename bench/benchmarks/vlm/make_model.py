@@ -1,0 +1,32 @@
+"""A tiny random Qwen2.5-VL with Qwen's vocabulary size (151,936 ids; the tokenizer is the bundled small one plus
+Qwen's special tokens, as tests/helpers/vision.py builds it) and its processor (the PIL image processor, loaded as
+remote code: transformers' own Qwen2_5_VLProcessor needs torchvision), saved as a Hugging Face directory.
+
+    python bench/benchmarks/vlm/make_model.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForImageTextToText
+
+REPO = Path(__file__).resolve().parents[3]
+QWEN_VOCAB = 151_936  # Qwen2.5(-VL)'s embedding rows
+
+
+def main(out: Path) -> None:
+    sys.path.insert(0, str(REPO / "tests"))
+    from helpers.vision import FAMILIES
+
+    config, processor = FAMILIES["qwen2_5_vl"](out)
+    config.text_config.vocab_size = QWEN_VOCAB
+    torch.manual_seed(0)
+    AutoModelForImageTextToText.from_config(config, dtype=torch.float32).save_pretrained(out)
+    processor.save_pretrained(out)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
