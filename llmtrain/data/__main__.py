@@ -147,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--- row {i} columns: {json.dumps(sample['columns'], ensure_ascii=False)}")
     packing = "" if summary["packing_efficiency"] is None else \
         f"; packing efficiency {summary['packing_efficiency']:.1%}"
-    kind = summary["rows_kind"]  # a pair, a prompt: one example each; an unpaired row too
-    unit = "row" if packing or not kind.endswith("s") else kind.removesuffix("s")
+    kind = summary["rows_kind"]  # a pair, a prompt: one example each; an unpaired row and an image chat row too
+    unit = "row" if packing or kind == "tokens" or not kind.endswith("s") else kind.removesuffix("s")
     print(f"--- {plural(summary['num_examples'], 'example')} -> {plural(summary['num_rows'], unit)}"
           f"{f' of {cfg.data.seq_len} tokens' if packing else ''}; "
           f"{plural(summary['trained_tokens'], 'trained token')}{packing}; "

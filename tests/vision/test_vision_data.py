@@ -193,3 +193,18 @@ def test_answer_accuracy_counts_the_rows_whose_every_trained_token_is_the_argmax
     assert [bool(h) for h in hits.all(-1)] == [i % 2 == 1 for i in range(len(rows))]
     micro = [{k: v[i:i + 2] for k, v in half.items()} for i in range(0, len(rows), 2)]
     assert token.answer_accuracy(model, micro, torch.device("cpu"), contextlib.nullcontext, loss) == 0.5
+
+
+def test_the_data_inspector_renders_image_rows_with_the_processor(assets, capsys):
+    """`python -m llmtrain.data` on a config whose model.path is a vision-language model: the rows as its processor
+    renders them (image tokens, the answer marked as trained), one example per row."""
+    from llmtrain.data.__main__ import main
+
+    config = assets / "inspect.yaml"
+    config.write_text(f"model:\n  path: {assets / 'llava'}\ndata:\n  path: {assets / 'data' / 'train.jsonl'}\n"
+                      "  format: chat\n  seq_len: 128\n  packing: false\n")
+    assert main(["--config", str(config), "--n", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    answer = records(assets)[0]["messages"][1]["content"][0]["text"]
+    assert "<image>" in "\n".join(out) and out[-1].startswith("--- 8 examples -> 8 rows; ")
+    assert any(f"[[{answer}<|im_end|>]]" in line for line in out)

@@ -1,8 +1,8 @@
 """`vlm` (python bench/run.py --only vlm): image chat SFT of a tiny Qwen2.5-VL with Qwen's vocabulary (151,936
 ids; bench/benchmarks/vlm/make_model.py), recipes/finetune.py against TRL's SFTTrainer
-(bench/baselines/trl_sft_vlm.py, its own venv, --trl-venv) on the same model directory, processor, records
-(data/demo/vlm/train.jsonl), micro-batch and ranks (ddp, 2), the vision tower frozen on both sides: trained tokens
-per second and peak memory per rank. Targets: >= 2x, memory <= 1x."""
+(bench/baselines/trl_sft_vlm.py, its own venv, --trl-venv) on the same model directory, processor, records (chat
+about coloured images of several sizes, made beside the model), micro-batch and ranks (ddp, 2), the vision tower
+frozen on both sides: trained tokens per second and peak memory per rank. Targets: >= 2x, memory <= 1x."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import yaml
 
 from benchmarks.base import BASELINES, Ctx, TIMEOUT, ratio
 from benchmarks.versus import trl_python, vs_trl_table
-from common import RECIPE, REPO, alternating_pairs, best_window_rate, median, run, torchrun, train_records, \
+from common import RECIPE, alternating_pairs, best_window_rate, median, run, torchrun, train_records, \
     useful_tokens_per_sec
 
-DATA = REPO / "data" / "demo" / "vlm" / "train.jsonl"
-SETTINGS = {"data": {"path": str(DATA), "format": "chat", "seq_len": 128, "packing": False},
+RECORDS = 256
+SETTINGS = {"data": {"format": "chat", "seq_len": 128, "packing": False},
             "parallel": {"strategy": "ddp"},
             "train": {"micro_batch_size": 8, "grad_accum_steps": 1, "lr": 1.0e-3, "warmup_steps": 2,
                       "lr_schedule": "cosine", "weight_decay": 0.0, "max_grad_norm": 1.0, "seed": 42}}
@@ -28,11 +28,11 @@ def bench(ctx: Ctx) -> dict:
     steps, warmup, window = (6, 2, 2) if ctx.quick else (20, 5, 5)
     work = ctx.dir("vlm")
     bindir = trl_python(ctx)
-    model = work / "model"
-    run([sys.executable, Path(__file__).parent / "make_model.py", model], TIMEOUT)
+    run([sys.executable, Path(__file__).parent / "make_model.py", work, RECORDS], TIMEOUT)
+    data = work / "data" / "train.jsonl"
     cfg = work / "vlm.yaml"
-    cfg.write_text(yaml.safe_dump({"model": {"path": str(model), "trust_remote_code": True}, **SETTINGS},
-                                  sort_keys=False))
+    cfg.write_text(yaml.safe_dump({"model": {"path": str(work / "model"), "trust_remote_code": True},
+                                   **SETTINGS, "data": {**SETTINGS["data"], "path": str(data)}}, sort_keys=False))
 
     def run_recipe(i: int) -> dict:
         out = work / f"recipe_{i}"
@@ -47,7 +47,7 @@ def bench(ctx: Ctx) -> dict:
     def run_trl(i: int) -> dict:
         res = work / f"trl_{i}.json"
         run([bindir / "torchrun", "--standalone", "--nproc_per_node=2", BASELINES / "trl_sft_vlm.py", "--config", cfg,
-             "--data", DATA, "--steps", steps, "--warmup", warmup, "--output-dir", work / f"trl_{i}", "--out", res],
+             "--data", data, "--steps", steps, "--warmup", warmup, "--output-dir", work / f"trl_{i}", "--out", res],
             TIMEOUT, {"HF_DATASETS_CACHE": str(work / "hf_cache")}, work / f"trl_{i}.log")
         info = json.loads(res.read_text())
         info["best"] = best_window_rate(info["step_end_s"], info["step_trained_tokens"], warmup, window)
@@ -59,9 +59,9 @@ def bench(ctx: Ctx) -> dict:
     text = t.table + (
         f"\n\nModel: a tiny random Qwen2.5-VL (2 decoder layers of hidden 64, a 2-block tower, vocabulary 151,936: "
         f"bench/benchmarks/vlm/make_model.py), the vision tower frozen and its merger trained on both sides; "
-        f"data/demo/vlm/train.jsonl (32x32 images, one question each), micro-batch "
-        f"{SETTINGS['train']['micro_batch_size']}, 2 ranks gloo, ddp. Both sides train the same tokens per step: "
-        f"{t.same_tokens}. The recipe: fp32, train.loss_impl=chunked, rows padded per micro-batch. TRL "
+        f"{RECORDS} chat records about coloured images of 16 to 32 pixels a side (tests/helpers/vision.py), "
+        f"micro-batch {SETTINGS['train']['micro_batch_size']}, 2 ranks gloo, ddp. Both sides train the same tokens "
+        f"per step: {t.same_tokens}. The recipe: fp32, train.loss_impl=chunked, rows padded per micro-batch. TRL "
         f"{b['trl']} SFTTrainer (assistant_only_loss=True, DataCollatorForVisionLanguageModeling): gradient "
         f"checkpointing {b['gradient_checkpointing']}, bf16={b['bf16']} (TRL's defaults), optimizer {b['optim']}, "
         f"attention {b['attn_implementation']}, {b['wrapper']}, in its own venv ({ctx.trl_venv_shown}). {steps} "

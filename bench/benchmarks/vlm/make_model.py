@@ -1,8 +1,9 @@
 """A tiny random Qwen2.5-VL with Qwen's vocabulary size (151,936 ids; the tokenizer is the bundled small one plus
 Qwen's special tokens, as tests/helpers/vision.py builds it) and its processor (the PIL image processor, loaded as
-remote code: transformers' own Qwen2_5_VLProcessor needs torchvision), saved as a Hugging Face directory.
+remote code: transformers' own Qwen2_5_VLProcessor needs torchvision), saved as a Hugging Face directory in
+OUT/model; and RECORDS chat records about coloured images of several sizes in OUT/data (train.jsonl, images/).
 
-    python bench/benchmarks/vlm/make_model.py OUT_DIR
+    python bench/benchmarks/vlm/make_model.py OUT RECORDS
 """
 
 from __future__ import annotations
@@ -17,16 +18,17 @@ REPO = Path(__file__).resolve().parents[3]
 QWEN_VOCAB = 151_936  # Qwen2.5(-VL)'s embedding rows
 
 
-def main(out: Path) -> None:
+def main(out: Path, records: int) -> None:
     sys.path.insert(0, str(REPO / "tests"))
-    from helpers.vision import FAMILIES
+    from helpers.vision import FAMILIES, make_images_data
 
-    config, processor = FAMILIES["qwen2_5_vl"](out)
+    config, processor = FAMILIES["qwen2_5_vl"](out / "model")
     config.text_config.vocab_size = QWEN_VOCAB
     torch.manual_seed(0)
-    AutoModelForImageTextToText.from_config(config, dtype=torch.float32).save_pretrained(out)
-    processor.save_pretrained(out)
+    AutoModelForImageTextToText.from_config(config, dtype=torch.float32).save_pretrained(out / "model")
+    processor.save_pretrained(out / "model")
+    make_images_data(out / "data", n=records)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), int(sys.argv[2]))
