@@ -22,13 +22,10 @@ import trl
 import yaml
 from datasets import Image, List, load_dataset
 from transformers import AutoModelForImageTextToText, AutoProcessor
-from trl import SFTConfig, SFTTrainer
+from trl import SFTConfig
 
-from hf_trainer import Counting, parse_args, train_and_report, training_kwargs
-
-
-class CountingSFTTrainer(Counting, SFTTrainer):
-    pass
+from hf_trainer import parse_args, train_and_report, training_kwargs
+from trl_sft import CountingSFTTrainer
 
 
 def main() -> None:
