@@ -27,6 +27,7 @@ with is in bench/baselines/):
   memory         training state and loading memory per rank, ddp / fsdp / fsdp2
   data           llmtrain.data.build's tokens/s vs what the demo consumes
   checkpoint     DCP save / load and the HF export vs `dd`
+  vlm            image chat SFT of a tiny Qwen2.5-VL (vocabulary 151,936) vs TRL's SFTTrainer
 
 --quick makes every benchmark tiny (a smoke run: the figures mean little). The GPU benchmark is a
 separate script, bench/gpu.sh (see its header).
@@ -54,7 +55,7 @@ from common import REPO, BenchError
 from benchmarks.base import BENCH, Ctx, table
 
 NAMES = ["overhead", "loss", "trainer", "trl", "dpo", "grpo", "dpo_reference", "distill", "memory", "data",
-         "checkpoint", "reward", "kto"]
+         "checkpoint", "reward", "kto", "vlm"]
 
 
 # -- report ----------------------------------------------------------------------------------------

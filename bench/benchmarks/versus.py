@@ -17,7 +17,7 @@ from common import (RECIPE, REPO, alternating_pairs, best_window_rate, median, p
                     train_records, useful_tokens_per_sec)
 
 
-TRL_PINS = ["torch==2.13.0", "trl==1.16.0", "transformers==5.24.0", "datasets", "accelerate", "pyyaml"]
+TRL_PINS = ["torch==2.13.0", "trl==1.16.0", "transformers==5.24.0", "datasets", "accelerate", "pyyaml", "pillow"]
 
 
 def trl_python(ctx: Ctx) -> Path:

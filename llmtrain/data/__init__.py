@@ -126,9 +126,12 @@ def plural(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
-def _encode_batch(batch: dict, section: DataConfig, fmt: Format, tokenizer) -> dict:
+def _encode_batch(batch, section: DataConfig, fmt: Format, tokenizer, decode=None) -> dict:
     """A batch of loaded rows -> the columns of their format's kind of rows, and each bad record's reason and
-    place ("" for a good one)."""
+    place ("" for a good one). decode: for a batch read as a pyarrow Table (image data), its features'
+    decode_batch (Image columns undecoded: data/vision.py)."""
+    if decode is not None:
+        batch = decode(batch.to_pydict())
     out = {**{k: [] for k in fmt.rows.empty}, "error": [], "where": []}
     for row in (dict(zip(batch, values)) for values in zip(*batch.values())):
         record, where, error = sources_lib.record_of(row)
@@ -162,11 +165,16 @@ def _examples(path: str, fmt: str, key: str, section: DataConfig, tokenizer, sta
     from datasets import concatenate_datasets
 
     def encode(ds, name: str, folder: Path):
-        return ds.map(_encode_batch, batched=True, remove_columns=ds.column_names, desc=f"tokenize {name}",
-                      # The Format itself, not its name: datasets' cache key hashes functions by name only, so
-                      # the format's definition (its columns among it) is what tells a cache of older rows apart.
-                      fn_kwargs={"section": section, "tokenizer": processor or tokenizer,
-                                 "fmt": FORMATS[fmt] if processor is None else vision.chat_format(folder)})
+        # Image data is read as stored and decoded here, its Image columns left undecoded (data/vision.py).
+        source = ds if processor is None else ds.with_format("arrow")
+        decode = None if processor is None else vision.undecoded(ds.features).decode_batch
+        out = source.map(_encode_batch, batched=True, remove_columns=ds.column_names, desc=f"tokenize {name}",
+                         # The Format itself, not its name: datasets' cache key hashes functions by name only, so
+                         # the format's definition (its columns among it) is what tells a cache of older rows apart.
+                         fn_kwargs={"section": section, "tokenizer": processor or tokenizer, "decode": decode,
+                                    "fmt": FORMATS[fmt] if processor is None else vision.chat_format(folder)},
+                         features=None if processor is None else vision.features(error="string", where="string"))
+        return out if processor is None else out.with_format(None)
 
     encoded, parts = [], []
     for ds, part in sources_lib.load(path, key):
@@ -252,7 +260,7 @@ def _build(section: DataConfig, tokenizer, seed: int, rank: int, world_size: int
     kind = rows_kind(section) if processor is None else vision.IMAGE_ROWS
     val = None
     if section.streaming:
-        train = StreamingRows(section, tokenizer, seed, rank, world_size)
+        train = StreamingRows(section, tokenizer, seed, rank, world_size, processor)
     else:
         parts = [_examples(s.path, s.format, f"data.sources[{i}].path" if section.sources else "data.path",
                            section, tokenizer, stats, processor) for i, s in enumerate(sources(section))]
@@ -300,18 +308,22 @@ def untrained(rows, examples, seq_len: int) -> str:
 
 
 class StreamingRows:
-    """Rows produced on the fly from this rank's part of the stream (flat memory)."""
+    """Rows produced on the fly from this rank's part of the stream (flat memory). processor: a vision-language
+    model's (data/vision.py): each record is a row of its own, its images opened as it streams past and decoded
+    again per micro-batch."""
 
-    def __init__(self, section: DataConfig, tokenizer, seed: int, rank: int, world_size: int):
+    def __init__(self, section: DataConfig, tokenizer, seed: int, rank: int, world_size: int, processor=None):
         from datasets import interleave_datasets
         from datasets.distributed import split_dataset_by_node
 
-        self.section, self.tokenizer, self.rank = section, tokenizer, rank
-        parts = []
+        self.section, self.tokenizer, self.rank, self.processor = section, tokenizer, rank, processor
+        self.collate = _collate if processor is None else vision.collate_with(processor)
+        streams = []
         for i, src in enumerate(sources(section)):
             ds = sources_lib.load_stream(src.path, f"data.sources[{i}].path" if section.sources else "data.path")
-            parts.append((ds, src.format))
-        streams = [ds.map(lambda r, f=fmt: {"__format": f}) for ds, fmt in parts]
+            folder = str(Path(src.path) if Path(src.path).is_dir() else Path(src.path).parent)
+            ds = ds if processor is None else vision.undecoded_stream(ds)
+            streams.append(ds.map(lambda r, f=src.format, d=folder: {"__format": f, "__folder": d}))
         if len(streams) > 1:
             weights = [s.weight for s in section.sources]
             stream = interleave_datasets(streams, probabilities=[w / sum(weights) for w in weights], seed=seed,
@@ -321,20 +333,31 @@ class StreamingRows:
         self.stream = split_dataset_by_node(stream, rank=rank, world_size=world_size).shuffle(
             seed=seed, buffer_size=section.shuffle_buffer)
 
+    def _format(self, record: dict) -> tuple[Format, object]:
+        """The record's format and what encodes it (the tokenizer, or the processor with images found beside
+        the record's file)."""
+        fmt, folder = FORMATS[record.pop("__format")], record.pop("__folder")
+        if self.processor is None:
+            return fmt, self.tokenizer
+        return vision.chat_format(Path(record["__file"]).parent if "__file" in record else folder), self.processor
+
     def rows(self, epoch: int) -> Iterator[dict[str, list[int]]]:
         self.stream.set_epoch(epoch)  # a new shuffle every epoch
         builder = RowBuilder(self.section.seq_len, self.tokenizer.pad_token_id)
         for record in self.stream:
-            fmt = FORMATS[record.pop("__format")]
+            fmt, encoder = self._format(record)
             record, where, error = sources_lib.record_of(record)
             try:
                 if error:
                     raise BadRecord(error)
-                example = fmt.rows.columns(fmt.encode(record, self.section, self.tokenizer), fmt, self.section)
+                example = fmt.rows.columns(fmt.encode(record, self.section, encoder), fmt, self.section)
             except BadRecord as e:
                 if self.section.strict:
                     raise ConfigError(f"{where + ': ' if where else ''}{e} (data.strict=true)") from None
                 warnings.warn(f"skipping bad records: {e}")  # once per reason (warnings dedups)
+                continue
+            if not fmt.rows.packs:  # a row of its own, padded with its micro-batch by self.collate
+                yield {k: v for k, v in example.items() if k != "truncated"}
                 continue
             builder.add(example["input_ids"], example["labels"], example["split"] and self.section.packing)
             if not self.section.packing:
@@ -412,7 +435,7 @@ class StreamSteps:
             if not short[0]:
                 self.taken += need
                 # SAMPLE_INDEX as the map-style order numbers samples (a stream has no global order)
-                return [{**_collate(got[i * self.micro:(i + 1) * self.micro]),
+                return [{**self.rows.collate(got[i * self.micro:(i + 1) * self.micro]),
                          SAMPLE_INDEX: self.rows.rank + self.world_size * (i * self.micro + torch.arange(self.micro))}
                         for i in range(self.accum)]
             if short[1]:

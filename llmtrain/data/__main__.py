@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from llmtrain.config import Config, ConfigError, load_config, parse_overrides
-from llmtrain.data import IGNORE, build, check, plural, rows_kind
+from llmtrain.data import IGNORE, build, chat_template, check, plural, rows_kind, vision
 from llmtrain.models.hf import check_dir, load_tokenizer
 from llmtrain.recipes import RECIPES
 
@@ -58,9 +58,11 @@ def _own_sections() -> set[str]:
 
 
 def summarize(cfg: Config, n: int) -> dict:
-    tokenizer = load_tokenizer(cfg.tokenizer.path or cfg.model.path, cfg.model.trust_remote_code)
-    kind = rows_kind(cfg.data)
-    built = build(cfg.data, tokenizer, cfg.train.seed)
+    processor = vision.processor_for(cfg.model, chat_template(cfg.data))  # a vision-language model's
+    tokenizer = processor.tokenizer if processor else \
+        load_tokenizer(cfg.tokenizer.path or cfg.model.path, cfg.model.trust_remote_code)
+    kind = rows_kind(cfg.data) if processor is None else vision.IMAGE_ROWS
+    built = build(cfg.data, tokenizer, cfg.train.seed, processor=processor)
     rows = built.train
     sample_rows = [rows[i] for i in range(min(n, len(rows)))] if not cfg.data.streaming else \
         list(itertools.islice(rows.rows(0), n))
@@ -145,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--- row {i} columns: {json.dumps(sample['columns'], ensure_ascii=False)}")
     packing = "" if summary["packing_efficiency"] is None else \
         f"; packing efficiency {summary['packing_efficiency']:.1%}"
-    kind = summary["rows_kind"]  # a pair, a prompt: one example each; an unpaired row too
-    unit = "row" if packing or not kind.endswith("s") else kind.removesuffix("s")
+    kind = summary["rows_kind"]  # a pair, a prompt: one example each; an unpaired row and an image chat row too
+    unit = "row" if packing or kind == "tokens" or not kind.endswith("s") else kind.removesuffix("s")
     print(f"--- {plural(summary['num_examples'], 'example')} -> {plural(summary['num_rows'], unit)}"
           f"{f' of {cfg.data.seq_len} tokens' if packing else ''}; "
           f"{plural(summary['trained_tokens'], 'trained token')}{packing}; "

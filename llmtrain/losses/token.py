@@ -188,6 +188,21 @@ class TokenLoss:
                               "use train.loss_impl=chunked or full")
         return self.on_trained_rows(model, batch, lambda hidden, flat: self._chunked_logps(hidden, flat, temperature))
 
+    @torch.no_grad()
+    def greedy_hits(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        """[rows, positions] bool: whether each trained position's target is the model's most likely next token
+        (True where nothing is trained). Whole rows only (no sequence split)."""
+        targets = next_token_targets(batch["labels"])
+        keep = targets != IGNORE
+        if self.impl == "full":
+            return ~keep | (model(**model_inputs(batch), use_cache=False).logits.argmax(-1) == targets)
+
+        def hits(hidden, flat):
+            return torch.cat([self.head_logits(hidden[r]).argmax(-1) == flat[r] for r in self._chunks(len(flat))])
+        out = ~keep
+        out[keep] = self.on_trained_rows(model, batch, hits)
+        return out
+
     def split(self, batch: dict):
         """The rows' inputs and next-token targets (ulysses.Split): this rank's slice of them under a sequence
         split, active for the forwards inside the block; the whole rows otherwise."""
@@ -414,6 +429,18 @@ def validation_sums(model, batches, device: torch.device, width: int, sums) -> t
     dist.all_reduce(totals)
     model.train(was_training)
     return totals
+
+
+def answer_accuracy(model, batches, device: torch.device, autocast, loss: TokenLoss) -> float:
+    """The share of validation rows (one example each) whose every trained token is the model's most likely next
+    token: those whose answer greedy decoding reproduces exactly. Collective, as evaluate."""
+    def sums(batch: dict) -> torch.Tensor:
+        with autocast():
+            hits = loss.greedy_hits(model, batch)
+        rows = (next_token_targets(batch["labels"]) != IGNORE).any(-1)
+        return torch.stack([(hits.all(-1) & rows).sum(), rows.sum()])
+    totals = validation_sums(model, batches, device, 2, sums)
+    return (totals[0] / totals[1].clamp(min=1)).item()
 
 
 def evaluate(model, batches, device: torch.device, autocast, loss: TokenLoss) -> tuple[float, int]:

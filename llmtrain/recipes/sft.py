@@ -56,6 +56,7 @@ class Finetune(Recipe):
     def setup(self, run, built):
         super().setup(run, built)
         self.val, self.collate = built.val, built.collate
+        self.answers = run.processor is not None  # image chat rows: one example (question, answer) each
         self.objective = TokenObjective(run.token_loss)
 
     def val_batches(self):
@@ -67,4 +68,8 @@ class Finetune(Recipe):
     def evaluate(self, at_step: int) -> dict:
         run = self.run
         val_loss, _ = loss_lib.evaluate(run.model, self.val_batches(), run.env.device, run.autocast, run.token_loss)
-        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+        out = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+        if self.answers:  # the rows whose answer greedy decoding gives exactly (docs/vision.md)
+            out["val_answer_accuracy"] = loss_lib.answer_accuracy(run.model, self.val_batches(), run.env.device,
+                                                                  run.autocast, run.token_loss)
+        return out

@@ -20,7 +20,7 @@ from llmtrain.config import CheckpointConfig, Config, ConfigError, to_yaml
 from llmtrain.losses import token as loss_lib
 from llmtrain.metrics import METRICS_FILE, MetricsLogger
 from llmtrain.data import vision as vision_data
-from llmtrain.models import attention, lora, vision
+from llmtrain.models import attention, lora
 from llmtrain.models import hf as model_lib
 from llmtrain.models.build import BuiltModel, build_model
 from llmtrain.run import lock, preflight, resume
@@ -86,10 +86,7 @@ def build(cfg: Config, env: distributed.DistEnv, recipe: str, registered: list[R
         if env.is_main:
             print(summary, flush=True)
     lock.hold(cfg.output_dir, env.rank)  # one run per output_dir: a second one exits 2, writing nothing
-    processor = None
-    if cfg.model.path is not None and vision.is_vision_type(model_lib.model_type(cfg.model.path)):
-        processor = vision_data.load_processor(cfg.model.path, cfg.model.trust_remote_code,
-                                               data.chat_template(cfg.data))
+    processor = vision_data.processor_for(cfg.model, data.chat_template(cfg.data))
     tokenizer = processor.tokenizer if processor else \
         model_lib.load_tokenizer(cfg.tokenizer.path or cfg.model.path, cfg.model.trust_remote_code)
     model_config = model_lib.load_model_config(cfg.model, tokenizer)
