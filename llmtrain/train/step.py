@@ -101,10 +101,11 @@ def accumulate(s: Stepper, batches: list[dict], objective: Objective, key: tuple
             with autocast(s.plan, s.device):
                 part = objective.share(s.model, batch, totals)
             # Data-parallel wrappers average gradients over ranks: x world size makes them the global mean's (with
-            # sequence groups too: each rank's gradient is its slice's part, the sum over all ranks the step's).
+            # sequence groups too: each rank's backward reaches its own slice's part, the sum over ranks the step's).
             scaled = part.loss * s.world_size
             (s.scaler.scale(scaled) if s.scaler else scaled).backward()
-        shares.append(part._replace(loss=None))  # keeps no graph alive
+        # keeps no graph alive; a sequence group's ranks hold the same sums of their whole rows (ulysses.whole)
+        shares.append(part._replace(loss=None, metrics=ulysses.once(s.sp_group, part.metrics)))
     loss, extra = objective.report(combined(shares), totals)
     grad_norm, ok = update(s, loss)
     return StepResult(loss, grad_norm, int(totals[0]), ok, extra)
