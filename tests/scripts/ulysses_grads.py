@@ -4,7 +4,8 @@ and rows of an odd length (padded to the sequence group), and a layer recomputed
 the split's loss (the whole rows', on each rank: ulysses.whole) and the sum of the two ranks' gradients next to the
 unsplit loss and gradients, all on the same model; the same for a loss made of the per-token log-probs
 (TokenLoss.token_logps: the whole rows' on each rank), nonlinear in each row's sum and in each token's, as DPO's and
-GRPO's losses are. Rank 0 writes JSON {case: {"loss": [whole, split], "grad_rel": max relative difference}}.  Usage: torchrun --nproc_per_node=2 ulysses_grads.py OUT.json"""
+GRPO's losses are. Rank 0 writes JSON {case: {"loss": [whole, split], "grad_rel": max relative difference}}.
+Usage: torchrun --nproc_per_node=2 ulysses_grads.py OUT.json"""
 
 import json
 import sys
