@@ -57,10 +57,15 @@ def test_setup_refuses_before_the_process_group(run_setup, overrides, world, say
     assert len(err.strip().splitlines()) == 1, err
 
 
-def test_recipes_without_it_refuse_sp_in_one_line(run_setup):
-    code, _, err = run_setup(REPO / "recipes" / "grpo.py", "--config", REPO / "configs" / "demo-grpo.yaml",
-                             "parallel.sp_size=2", world_size=2)
-    assert code == 2 and "sequence parallelism is not supported by the grpo recipe" in err
+@pytest.mark.parametrize("script, config, extra, says", [
+    ("grpo", "demo-grpo", (), "sequence parallelism is not supported by the grpo recipe"),
+    ("distill", "demo-distill", ("distill.on_policy_fraction=0.5",),
+     "parallel.sp_size=2: on-policy steps are not split over a sequence group yet"),
+])
+def test_recipes_without_it_refuse_sp_in_one_line(run_setup, script, config, extra, says):
+    code, _, err = run_setup(REPO / "recipes" / f"{script}.py", "--config", REPO / "configs" / f"{config}.yaml",
+                             "parallel.sp_size=2", *extra, world_size=2)
+    assert code == 2 and says in err, err
     assert len(err.strip().splitlines()) == 1, err
 
 
