@@ -160,6 +160,26 @@ def once(group: dist.ProcessGroup | None, value: torch.Tensor) -> torch.Tensor:
     return value if group is None or dist.get_rank(group) == 0 else torch.zeros_like(value)
 
 
+def group_batches(group: dist.ProcessGroup | None, batches: list[dict]) -> list[dict]:
+    """Rows each rank of a sequence group holds on its own (GRPO's completions, sampled unsplit per rank) -> every
+    rank's micro-batches of the group, in rank order, on each rank: the group then trains on all of them, each rank
+    its slice of every row. Collective over `group`."""
+    if group is None:
+        return batches
+    device = batches[0]["input_ids"].device
+    parts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, [{k: v.cpu() for k, v in b.items()} for b in batches], group=group)
+    return [{k: v.to(device) for k, v in b.items()} for part in parts for b in part]
+
+
+def own_part(group: dist.ProcessGroup | None, values: list | None) -> list | None:
+    """Per-row values of group_batches' rows (in its order) -> those of this rank's own rows."""
+    if group is None or values is None:
+        return values
+    n = len(values) // dist.get_world_size(group)
+    return values[dist.get_rank(group) * n:(dist.get_rank(group) + 1) * n]
+
+
 def own_tokens(flat: torch.Tensor) -> torch.Tensor:
     """Split.own_tokens of the active split (the values themselves outside one)."""
     return flat if _active is None else _active.own_tokens(flat)

@@ -5,7 +5,8 @@ loss path's loss and gradients at sp 2 equal the unsplit ones (tests/scripts/uly
 sp_size 2 on 2 ranks, and at 2 data-parallel groups x sp_size 2 on 4 ranks; a resume of the sp_size 2 run on one
 process continues exactly. DPO (a live frozen reference with its eval pass, and a reference precomputed by 2
 data-parallel x 2 sequence-parallel ranks) and distillation (a live teacher with its eval pass, and a stored top-k
-teacher sliced with the rows) give the losses and metrics of sp_size 1 at sp_size 2."""
+teacher sliced with the rows) give the losses and metrics of sp_size 1 at sp_size 2, and so does GRPO's training
+forward (a reference, two updates per generation batch; each rank samples its own completions unsplit)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 from helpers import RECIPE, REPO, TINY
 from helpers.distill import DISTILL, distill_args
 from helpers.families import make_family
+from helpers.grpo import GRPO, write_config
 from helpers.pairs import DPO, PAIRS, dpo_args
 from helpers.procs import launch, read_metrics, run_recipe
 from helpers.runs import REFERENCE, Run
@@ -58,7 +60,7 @@ def test_setup_refuses_before_the_process_group(run_setup, overrides, world, say
 
 
 @pytest.mark.parametrize("script, config, extra, says", [
-    ("grpo", "demo-grpo", (), "sequence parallelism is not supported by the grpo recipe"),
+    ("kto", "demo-kto", (), "sequence parallelism is not supported by the kto recipe"),
     ("distill", "demo-distill", ("distill.on_policy_fraction=0.5",),
      "parallel.sp_size=2: on-policy steps are not split over a sequence group yet"),
 ])
@@ -102,19 +104,21 @@ def assert_same_steps(got, want, what):
 
 
 @pytest.mark.slow
-def test_sft_packing_full_and_lora_at_sp2_match_sp1(shared_runs, tmp_path_factory):
+def test_sft_packing_full_and_lora_at_sp2_match_sp1(shared_runs, tmp_path_factory, base):
     """sp 2 on 2 ranks and 2 data-parallel x sp 2 on 4 ranks. Packed rows (tests/tiny.yaml); LoRA with its
-    keyed dropout on (lora.dropout 0.05: masks by whole-row positions); the Qwen3 family's tiny model (2 key/value
-    heads, per-head q/k norms)."""
+    keyed dropout on (lora.dropout 0.05: masks by whole-row positions); QLoRA (the reference run's export as its
+    NF4 base); the Qwen3 family's tiny model (2 key/value heads, per-head q/k norms)."""
     qwen3 = make_family("qwen3", tmp_path_factory.mktemp("qwen3") / "qwen3")
     qwen = (f"model.path={qwen3}", "model.config=null", f"tokenizer.path={qwen3}")
     lora = ("lora.enabled=true",)
+    qlora = (f"model.path={base}", "model.config=null", *lora, "lora.quantize_base=nf4")
     runs = {"ref": REFERENCE, "sp2": Run((*SP2, *SAVED), nproc=2),
             "dp2_sp2": Run((*SP2, "train.micro_batch_size=2"), nproc=4),  # 2 data-parallel x 2: global batch 4
             "lora_ref": Run(("parallel.strategy=none", *lora)), "lora_sp2": Run((*SP2, *lora), nproc=2),
+            "qlora_ref": Run(("parallel.strategy=none", *qlora)), "qlora_sp2": Run((*SP2, *qlora), nproc=2),
             "qwen_ref": Run(("parallel.strategy=none", *qwen)), "qwen_sp2": Run((*SP2, *qwen), nproc=2)}
     outs = shared_runs.get(runs, at_once=2)
-    for name in ("sp2", "lora_sp2", "qwen_sp2"):
+    for name in ("sp2", "lora_sp2", "qlora_sp2", "qwen_sp2"):
         assert_same_steps(steps(outs[name]), steps(outs[name.replace("sp2", "ref")]), name)
     assert_same_steps(steps(outs["dp2_sp2"]), steps(outs["ref"]), "dp2_sp2")
     # resumed from the sp 2 run's step 2 on one process (sp_size 1): steps 3 and 4 as the reference's
@@ -138,15 +142,18 @@ def assert_same_records(got: list[dict], want: list[dict], keys: tuple[str, ...]
 DPO_METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                "logps/chosen", "logps/rejected", "grad_norm")
 KD_METRICS = ("loss", "kd_loss", "ce_loss", "grad_norm")
+GRPO_METRICS = ("loss", "grad_norm", "kl", "reward", "completions/mean_length")
 
 
 @pytest.mark.slow
-def test_dpo_and_distillation_at_sp2_match_sp1(shared_runs, base, tmp_path_factory):
+def test_dpo_distillation_and_grpo_at_sp2_match_sp1(shared_runs, base, tmp_path_factory):
     """DPO (sigmoid with label smoothing and an SFT term): a live frozen reference at sp 2 on 2 ranks, with its eval
     pass over 5 held-out pairs; the reference precomputed by 2 data-parallel x 2 sequence-parallel ranks (each group
     scores its pairs once). Distillation (JSD, top-8, unpacked rows padded to the group): the live teacher at sp 2,
     with its eval pass (val_kd_loss, val_teacher_loss); the stored top-k teacher (distill_precompute), each slice
-    taking its own tokens' values. Each step's loss, metrics and gradient norm equal the sp_size 1 run's."""
+    taking its own tokens' values. GRPO (beta 0.04: a frozen reference; num_iterations 2: the sampling-time
+    log-probs): each of the 2 ranks samples its 6 completions, the group trains on all 12 split. Each step's loss,
+    metrics and gradient norm equal the sp_size 1 run's."""
     root = tmp_path_factory.mktemp("ulysses-recipes")
     lines = PAIRS.read_text().splitlines(keepends=True)
     val = root / "val.jsonl"
@@ -170,13 +177,19 @@ def test_dpo_and_distillation_at_sp2_match_sp1(shared_runs, base, tmp_path_facto
     def kd_run(*extra, nproc=1):
         return Run(tuple(distill_args(base, *extra)), nproc, DISTILL)
 
+    grpo = write_config(root)
+
+    def grpo_run(*extra, nproc=1):
+        return Run((f"model.path={base}", "model.config=null", "train.max_steps=4", *extra), nproc, GRPO, grpo)
+
     outs = shared_runs.get({
         "dpo_ref": dpo_run("pairs", "parallel.strategy=none", *evals),
         "dpo_sp2": dpo_run("pairs", *SP2, *evals, nproc=2),
         "dpo_pre": dpo_run("pairs-pre", *SP2, "train.micro_batch_size=2", "dpo.precompute_reference=true", nproc=4),
         "kd_ref": kd_run("parallel.strategy=none", *kd_evals),
         "kd_sp2": kd_run(*SP2, *kd_evals, nproc=2),
-        "kd_stored": kd_run(*SP2, f"distill.teacher_logits={store}", nproc=2)}, at_once=2)
+        "kd_stored": kd_run(*SP2, f"distill.teacher_logits={store}", nproc=2),
+        "grpo_ref": grpo_run(), "grpo_sp2": grpo_run(*SP2, "train.micro_batch_size=3", nproc=2)}, at_once=2)
     want = records(outs["dpo_ref"], "loss")
     for name in ("dpo_sp2", "dpo_pre"):
         assert_same_records(records(outs[name], "loss"), want, DPO_METRICS, 3, name)
@@ -188,3 +201,4 @@ def test_dpo_and_distillation_at_sp2_match_sp1(shared_runs, base, tmp_path_facto
         assert_same_records(records(outs[name], "loss"), records(outs["kd_ref"], "loss"), KD_METRICS, 4, name)
     assert_same_records(records(outs["kd_sp2"], "val_loss"), records(outs["kd_ref"], "val_loss"),
                         ("val_loss", "val_kd_loss", "val_teacher_loss"), 1, "distill eval")
+    assert_same_records(records(outs["grpo_sp2"], "loss"), records(outs["grpo_ref"], "loss"), GRPO_METRICS, 4, "grpo")
