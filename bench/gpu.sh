@@ -32,8 +32,9 @@
 #   6. a markdown table of the throughput runs (bench/gpu/train.py --table), also saved to $RESULTS/table.md
 #   longctx (not in the default SECTIONS: it needs a node of up to 8 GPUs, not one lent GPU; not run on a GPU yet):
 #      the same model on one 32768-token row per data-parallel rank, activation checkpointing, Ulysses
-#      parallel.sp_size 1, 2, 4, 8 on as many GPUs (those the node has), tokens/s and peak memory per GPU in the
-#      table (docs/long-context.md: memory arithmetic of configs/llama3.2-1b-32k-sp.yaml)
+#      parallel.sp_size 1, 2, 4, 8 on as many GPUs (those the node has), and sp_size 1 with
+#      train.activation_offloading; tokens/s and peak memory per GPU in the table (docs/long-context.md: memory
+#      arithmetic of configs/llama3.2-1b-32k-sp.yaml)
 #
 # SECTIONS picks what runs (default all): e.g. SECTIONS="engines" bash bench/gpu.sh for the engines alone;
 # SECTIONS=longctx bash bench/gpu.sh on an 8-GPU node for the long-context rows.
@@ -124,23 +125,26 @@ LONG_SEQ=${LONG_SEQ:-32768}
 [[ $SMOKE == 1 ]] && LONG_SEQ=64
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
 [[ $SMOKE == 1 ]] && NGPU=2
-echo "== long context: $CONFIG, rows of $LONG_SEQ tokens, parallel.sp_size 1 2 4 8 (up to $NGPU GPUs)"
-for sp in 1 2 4 8; do
+echo "== long context: $CONFIG, rows of $LONG_SEQ tokens, parallel.sp_size 1 2 4 8 (up to $NGPU GPUs), 1 offloaded"
+for run in 1 1-offload 2 4 8; do
+  sp=${run%-offload}
+  offload=false
+  [[ $run == *-offload ]] && offload=true
   remaining=$(( $(left) - 20 ))
   if (( sp > NGPU )); then
-    echo "-- sp$sp: skipped, $NGPU GPUs"
+    echo "-- sp$run: skipped, $NGPU GPUs"
     continue
   elif (( remaining < 45 )); then
-    echo "-- sp$sp: skipped, ${remaining}s left of BUDGET_S=$BUDGET_S"
+    echo "-- sp$run: skipped, ${remaining}s left of BUDGET_S=$BUDGET_S"
     continue
   fi
-  out="$RESULTS/longctx-sp$sp"
+  out="$RESULTS/longctx-sp$run"
   rm -rf "$out"
-  echo "-- sp$sp on $sp GPUs, limit $(( remaining < 150 ? remaining : 150 ))s"
+  echo "-- sp$run on $sp GPUs, limit $(( remaining < 150 ? remaining : 150 ))s"
   timeout -k 5 "$(( remaining < 150 ? remaining : 150 ))" $TORCHRUN --standalone --nproc_per_node=$sp \
       bench/gpu/train.py --config "$CONFIG" output_dir="$out" train.max_steps="$STEPS" checkpoint.resume=never \
       "${EXTRA[@]}" data.seq_len="$LONG_SEQ" model.config.max_position_embeddings="$LONG_SEQ" \
-      train.micro_batch_size=1 parallel.sp_size=$sp \
+      train.micro_batch_size=1 parallel.sp_size=$sp train.activation_offloading=$offload \
       parallel.activation_checkpointing=true >"$out.log" 2>&1
   rc=$?
   rm -rf "$out/checkpoints"

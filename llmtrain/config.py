@@ -255,6 +255,10 @@ class TrainConfig:
     (no [tokens x vocab] logits; same losses and gradients) | full: whole logits | liger: Liger Kernel (CUDA)."""
     loss_chunk_tokens: int = ranged("[0, inf)", default=0)
     """train.loss_impl=chunked: trained tokens per chunk; 0: as many as make 256 MiB of fp32 logits (at least 64)."""
+    activation_offloading: bool = False
+    """CUDA: the activations the forward saves for backward go to pinned host memory (a side stream) and come back
+    for backward (TRL's name; with parallel.activation_checkpointing, the layers' inputs). On CPU a no-op, said
+    once (docs/long-context.md)."""
 
 
 @dataclass

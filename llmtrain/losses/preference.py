@@ -204,18 +204,19 @@ def metrics(summed: torch.Tensor, pairs: int, loss: str = "sigmoid", chosen_toke
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches, pair_logps, device: torch.device, loss: str, beta: float,
              label_smoothing: float, gamma: float, sft_weight: float,
-             cpo_loss_type: str = "sigmoid") -> dict[str, float]:
+             cpo_loss_type: str = "sigmoid", sp_group=None) -> dict[str, float]:
     """The training objective and metric_names(loss) over every rank's validation pairs, as global means whatever
     the world size: {"val_loss", "val_rewards/chosen", ...}. pair_logps(batch) -> (policy log-probs, lengths,
-    NLL numerator, reference log-probs or None): response_logps' and the reference's; sft_weight: nll_weight's.
-    Collective: every rank passes as many batches (eval_batches)."""
+    NLL numerator, reference log-probs or None): response_logps' and the reference's; sft_weight: nll_weight's;
+    sp_group: validation_sums'. Collective: every rank passes as many batches (eval_batches)."""
     def sums(batch: dict) -> torch.Tensor | None:
         logps, lengths, nll, ref = pair_logps(batch)  # every rank runs the forwards, even on a filler batch
         if (batch["labels"] == IGNORE).all():  # eval_batches' filler for a rank out of pairs: no pair in it
             return None
         s = preference_sums(logps, lengths, ref, loss, beta, label_smoothing, gamma, cpo_loss_type, nll)
         return torch.cat([torch.stack([s.loss, s.nll]), pair_counts(scored_labels(loss, batch)), s.metrics])
-    totals = validation_sums(model, batches, device, 4 + len(metric_names(loss)), sums)  # loss, nll, pairs, tokens
+    totals = validation_sums(model, batches, device, 4 + len(metric_names(loss)), sums,  # loss, nll, pairs, tokens
+                             sp_group)
     val_loss = objective(PairSums(totals[0], totals[1], totals[4:]), totals[2:4], sft_weight)
     means = metrics(totals[4:], int(totals[2]), loss, int(totals[3]))
     return {"val_loss": val_loss.item(), **{f"val_{k}": v for k, v in means.items()}}

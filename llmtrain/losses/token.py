@@ -169,24 +169,26 @@ class TokenLoss:
                               "the output layer in a way llmtrain does not reproduce; use train.loss_impl=full")
 
     def loss_sum(self, model: nn.Module, batch: dict) -> torch.Tensor:
-        """The summed next-token loss of this rank's tokens (its slice of the rows under a sequence split)."""
-        if self.impl == "full":
-            with self.split(batch) as part:
-                return targets_loss_sum(self._logits(model, batch, part), part.targets)
-        return self.on_trained_rows(model, batch, self._liger if self.impl == "liger" else self._chunked)
+        """The summed next-token loss of the rows (under a sequence split: of the whole rows, on every rank of the
+        group, its gradient to this rank's slice: ulysses.whole)."""
+        with self.split(batch) as part:
+            if self.impl == "full":
+                return part.whole(targets_loss_sum(self._logits(model, batch, part), part.targets))
+            return part.whole(self._on_rows(model, batch, part, self._liger if self.impl == "liger" else self._chunked))
 
     def token_logps(self, model: nn.Module, batch: dict, temperature: float = 1.0) -> torch.Tensor:
         """Log-probs (fp32) of the trained tokens, flat in row-major order (token_logps() of the full logits),
         differentiable for any downstream loss (DPO's, GRPO's): chunked, they are computed a chunk at a time
         with no logits kept, and each chunk's logits are recomputed in the backward pass. temperature divides
         the logits (after any soft-capping), as TRL does for GRPO's sampled completions."""
-        if self.impl == "full":
-            with self.split(batch) as part:
-                return targets_logps(self._logits(model, batch, part), part.targets, temperature)
         if self.impl == "liger":  # recipes refuse it before start-up; this names the reason for library callers
             raise ConfigError("train.loss_impl=liger yields only a summed loss, not per-token log-probs; "
                               "use train.loss_impl=chunked or full")
-        return self.on_trained_rows(model, batch, lambda hidden, flat: self._chunked_logps(hidden, flat, temperature))
+        with self.split(batch) as part:  # under a sequence split: the whole rows' tokens (Split.whole_tokens)
+            if self.impl == "full":
+                return part.whole_tokens(targets_logps(self._logits(model, batch, part), part.targets, temperature))
+            return part.whole_tokens(self._on_rows(model, batch, part,
+                                                   lambda hidden, flat: self._chunked_logps(hidden, flat, temperature)))
 
     @torch.no_grad()
     def greedy_hits(self, model: nn.Module, batch: dict) -> torch.Tensor:
@@ -223,18 +225,24 @@ class TokenLoss:
 
     def on_trained_rows(self, model: nn.Module, batch: dict, fn) -> torch.Tensor:
         """The model's forward, returning fn(final hidden states of the trained positions, their targets)
-        (this rank's positions under a sequence split)."""
+        (this rank's positions under a sequence split: what fn returns is this slice's)."""
         with self.split(batch) as part:
-            keep = part.targets != IGNORE  # untrained positions (prompt, padding) never reach the output layer
-            flat = part.targets[keep]
+            return self._on_rows(model, batch, part, fn)
 
-            def on_hidden(hidden):
-                self._loss = fn(hidden, flat)
-                return hidden[:0]
+    def _on_rows(self, model: nn.Module, batch: dict, part: ulysses.Split, fn) -> torch.Tensor:
+        keep = part.targets != IGNORE  # untrained positions (prompt, padding) never reach the output layer
+        flat = part.targets[keep]
 
-            with self._in_forward(on_hidden):
-                return model(**self._inputs(batch, part), use_cache=False, labels=part.targets,
-                             logits_to_keep=keep).loss
+        def on_hidden(hidden):
+            self._loss = fn(hidden, flat)
+            return hidden[:0]
+
+        with self._in_forward(on_hidden):
+            return model(**self._inputs(batch, part), use_cache=False, labels=part.targets, logits_to_keep=keep).loss
+
+    def whole(self, value: torch.Tensor) -> torch.Tensor:
+        """Sums over this rank's slice of the rows (on_trained_rows') -> the whole rows' (ulysses.whole)."""
+        return ulysses.whole(self.sp_group, value)
 
     def chunk_logps(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """Log-probs (fp32) of targets under head_logits(hidden) / temperature, for one chunk of rows."""
@@ -416,9 +424,11 @@ class _ChunkedHeadLogps(torch.autograd.Function):
 
 
 @torch.no_grad()
-def validation_sums(model, batches, device: torch.device, width: int, sums) -> torch.Tensor:
+def validation_sums(model, batches, device: torch.device, width: int, sums,
+                    sp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The sum over every rank's validation batches of sums(batch) (a [width] tensor, or None for a batch that
-    counts nothing), the model in eval mode meanwhile. Collective: every rank must pass the same number of
+    counts nothing), the model in eval mode meanwhile. sp_group: the sequence group whose ranks hold the same
+    rows and the same (whole rows') sums, counted once. Collective: every rank must pass the same number of
     batches."""
     was_training = model.training
     model.eval()
@@ -426,6 +436,7 @@ def validation_sums(model, batches, device: torch.device, width: int, sums) -> t
     for batch in batches:
         if (part := sums({k: v.to(device) for k, v in batch.items()})) is not None:
             totals += part.double()
+    totals = ulysses.once(sp_group, totals)
     dist.all_reduce(totals)
     model.train(was_training)
     return totals
@@ -448,7 +459,6 @@ def evaluate(model, batches, device: torch.device, autocast, loss: TokenLoss) ->
     Collective: every rank must pass the same number of batches."""
     def sums(batch: dict) -> torch.Tensor:
         with autocast():
-            tokens = ulysses.once(loss.sp_group, trained_tokens(batch["labels"]).double())  # a row's, once
-            return torch.stack([loss.loss_sum(model, batch).double(), tokens])
-    totals = validation_sums(model, batches, device, 2, sums)
+            return torch.stack([loss.loss_sum(model, batch).double(), trained_tokens(batch["labels"]).double()])
+    totals = validation_sums(model, batches, device, 2, sums, loss.sp_group)
     return (totals[0] / totals[1].clamp(min=1)).item(), int(totals[1].item())

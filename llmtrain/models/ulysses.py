@@ -13,7 +13,13 @@ their own key/value head); heads not divisible by sp_size are refused at set-up 
 
 `split` is the one entry: TokenLoss (llmtrain.losses.token) runs every forward of a training objective inside
 it; the attention function (llmtrain.models.attention) calls `attention` while a split is active and the
-plain kernel otherwise (an unsplit forward: the output-layer probe, generation)."""
+plain kernel otherwise (an unsplit forward: the output-layer probe, generation).
+
+What a forward returns is made the whole rows' on every rank of the group (`whole`: a summed loss, per-row sums;
+`Split.whole_tokens`: the per-token log-probs DPO's and GRPO's losses take), so an objective computes the same
+value on each rank of a group from the whole rows, as if unsplit; its gradient flows back to each rank's own slice
+only, so the ranks' gradients summed (the step's reduce-scatter over the world) are the whole rows' once. The step
+then counts a group's sums once (`once`)."""
 
 from __future__ import annotations
 
@@ -63,6 +69,31 @@ class Split(NamedTuple):
     group: dist.ProcessGroup | None = None
     mask: torch.Tensor | None = None  # [B, 1, S, S] bool: the whole rows' block-causal mask
     start: int = 0                    # the slice's first position in its rows
+    trained: torch.Tensor | None = None  # [B, S] bool: the whole (padded) rows' trained positions
+
+    def whole(self, value: torch.Tensor) -> torch.Tensor:
+        """This slice's sums -> the whole rows' (module function `whole`)."""
+        return whole(self.group, value)
+
+    def whole_tokens(self, flat: torch.Tensor) -> torch.Tensor:
+        """Values of this slice's trained tokens (row-major) -> those of the whole rows' trained tokens, in the
+        whole rows' row-major order (what an unsplit forward gives), on every rank of the group; the gradient goes
+        to this slice's own."""
+        if self.group is None:
+            return flat
+        own = self.trained[:, self.start:self.start + self.input_ids.shape[1]]
+        grid = F.pad(flat.new_zeros(own.shape).masked_scatter(own, flat),
+                     (self.start, self.trained.shape[1] - self.start - own.shape[1]))
+        return whole(self.group, grid)[self.trained]
+
+    def own_tokens(self, flat: torch.Tensor) -> torch.Tensor:
+        """The reverse of whole_tokens: values of the whole rows' trained tokens (row-major, e.g. a stored
+        teacher's) -> this slice's."""
+        if self.group is None:
+            return flat
+        number = (self.trained.flatten().cumsum(0) - 1).view_as(self.trained)
+        cut = slice(self.start, self.start + self.input_ids.shape[1])
+        return flat[number[:, cut][self.trained[:, cut]]]
 
 
 _active: Split | None = None  # the forward in progress (module-global, as dropout's keys)
@@ -101,7 +132,7 @@ def split(group: dist.ProcessGroup | None, input_ids: torch.Tensor, position_ids
     part = input_ids.shape[1] // size
     cut = slice(rank * part, (rank + 1) * part)
     with _activated(Split(input_ids[:, cut], position_ids[:, cut], targets[:, cut], group,
-                          segments_mask(position_ids), rank * part)) as active_split:
+                          segments_mask(position_ids), rank * part, targets != ignore)) as active_split:
         yield active_split
 
 
@@ -123,9 +154,56 @@ def recompute_contexts():
 
 
 def once(group: dist.ProcessGroup | None, value: torch.Tensor) -> torch.Tensor:
-    """`value` on the first rank of the sequence group, zeros on the others: a count every rank of the group
-    holds alike (its rows' trained tokens) summed over all ranks counts each row once."""
+    """`value` on the first rank of the sequence group, zeros on the others: a value every rank of the group
+    holds alike (its rows' trained tokens, an objective's whole-row sums) summed over all ranks counts each row
+    once."""
     return value if group is None or dist.get_rank(group) == 0 else torch.zeros_like(value)
+
+
+def group_batches(group: dist.ProcessGroup | None, batches: list[dict]) -> list[dict]:
+    """Rows each rank of a sequence group holds on its own (GRPO's completions, sampled unsplit per rank) -> every
+    rank's micro-batches of the group, in rank order, on each rank: the group then trains on all of them, each rank
+    its slice of every row. Collective over `group`."""
+    if group is None:
+        return batches
+    device = batches[0]["input_ids"].device
+    parts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, [{k: v.cpu() for k, v in b.items()} for b in batches], group=group)
+    return [{k: v.to(device) for k, v in b.items()} for part in parts for b in part]
+
+
+def own_part(group: dist.ProcessGroup | None, values: list | None) -> list | None:
+    """Per-row values of group_batches' rows (in its order) -> those of this rank's own rows."""
+    if group is None or values is None:
+        return values
+    n = len(values) // dist.get_world_size(group)
+    return values[dist.get_rank(group) * n:(dist.get_rank(group) + 1) * n]
+
+
+def own_tokens(flat: torch.Tensor) -> torch.Tensor:
+    """Split.own_tokens of the active split (the values themselves outside one)."""
+    return flat if _active is None else _active.own_tokens(flat)
+
+
+class _GroupSum(torch.autograd.Function):
+    """Forward: the sum over the group. Backward: the gradient as it is, to this rank's own part: every rank of
+    the group computes the same objective from the sum, and each passes back its own part's share only."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        out = x.detach().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def whole(group: dist.ProcessGroup | None, value: torch.Tensor) -> torch.Tensor:
+    """A sum over this rank's slice of the rows (a loss, per-row sums) -> the same sum over the whole rows, equal
+    on every rank of the sequence group; differentiable (module docstring). Collective over `group`."""
+    return value if group is None else _GroupSum.apply(value, group)
 
 
 class _AllToAll(torch.autograd.Function):

@@ -90,6 +90,7 @@ class DPO(Recipe):
     rows = "pairs"
     unit = "pairs"
     per_token_logps = True
+    sequence_parallel = True  # TokenLoss gives the whole rows' log-probs on each rank of a sequence group
 
     def check(self, cfg: DPOConfig) -> None:
         self.check_existing_model(cfg, "configs/demo-dpo.yaml")
@@ -151,9 +152,9 @@ class DPO(Recipe):
                 return (*pair_logps(run.model, run.token_loss, batch, self.section.loss),
                         self.reference_logps(batch) if self.reference_logps is not None else None)
 
-        batches = data.eval_batches(self.built.val, cfg.train.micro_batch_size, run.env.world_size, run.env.rank,
+        batches = data.eval_batches(self.built.val, cfg.train.micro_batch_size, run.env.dp_size, run.env.dp_rank,
                                     cfg.eval.max_batches, self.built.collate)
         d = self.section
         return pl.evaluate(run.model, batches, logps, run.env.device, d.loss, d.beta, d.label_smoothing, d.gamma,
-                           pl.nll_weight(d.loss, d.sft_weight, d.cpo_alpha), d.cpo_loss_type)
+                           pl.nll_weight(d.loss, d.sft_weight, d.cpo_alpha), d.cpo_loss_type, run.env.sp_group)
 

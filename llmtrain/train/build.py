@@ -11,7 +11,7 @@ import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -20,7 +20,7 @@ from llmtrain.config import CheckpointConfig, Config, ConfigError, to_yaml
 from llmtrain.losses import token as loss_lib
 from llmtrain.metrics import METRICS_FILE, MetricsLogger
 from llmtrain.data import vision as vision_data
-from llmtrain.models import attention, lora
+from llmtrain.models import attention, lora, offload
 from llmtrain.models import hf as model_lib
 from llmtrain.models.build import BuiltModel, build_model
 from llmtrain.run import lock, preflight, resume
@@ -53,6 +53,7 @@ class Run:
     token_loss: loss_lib.TokenLoss | None  # None for a score head (Recipe.score_head)
     preemption: distributed.PreemptionFlag
     processor: object | None = None  # a vision-language model's (data/vision.py); its tokenizer is `tokenizer`
+    saved: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext  # models.offload.for_run's
 
     @property
     def model(self) -> torch.nn.Module:
@@ -69,7 +70,7 @@ class Run:
     @property
     def stepper(self) -> Stepper:
         return Stepper(self.model, self.plan, self.opt, self.scaler, self.cfg.train.max_grad_norm, self.env.device,
-                       self.env.world_size, self.env.sp_group)
+                       self.env.world_size, self.env.sp_group, self.saved)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return parallelize.autocast(self.plan, self.env.device)
@@ -129,10 +130,13 @@ def build(cfg: Config, env: distributed.DistEnv, recipe: str, registered: list[R
         metrics.info(f"note: output_dir {cfg.output_dir} holds an earlier run's {' and '.join(replaced)} and no "
                      "checkpoint to resume from: this run starts over and replaces them (another output_dir keeps "
                      "them)")
+    saved, line = offload.for_run(cfg.train.activation_offloading, env.device)
+    if line:
+        metrics.info(line)
     if env.is_main:
         (Path(cfg.output_dir) / "config.yaml").write_text(to_yaml(cfg))
     return Run(cfg, env, tokenizer, policy, opt, parallelize.grad_scaler(policy.plan, env.device), peak, global_batch,
-               ckpt, state, metrics, token_loss, preemption, processor)
+               ckpt, state, metrics, token_loss, preemption, processor, saved)
 
 
 class ResumePoint(NamedTuple):

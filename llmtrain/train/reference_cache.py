@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from llmtrain import distributed
+from llmtrain.models import ulysses
 from llmtrain.utils import HASH, content_hash, publish, release_freed_memory
 
 PIECE = 256  # pairs per file: what an interrupted pass loses at most
@@ -76,15 +77,16 @@ def precompute(where: Path, n_pairs: int, batch_of: Callable[[list[int]], dict],
     score = make_scorer()
     for a, b in missing:
         part = torch.zeros(b - a, 2, device=env.device)
-        mine = list(range(a + env.rank, b, env.world_size))
+        # A sequence group's ranks score the same pairs (each its slice of the rows), counted once.
+        mine = list(range(a + env.dp_rank, b, env.dp_size))
         # Every rank runs as many forwards as the busiest (FSDP's are collectives); an idle one scores pair a.
-        for j in range(0, math.ceil((b - a) / (env.world_size * micro)) * micro, micro):
+        for j in range(0, math.ceil((b - a) / (env.dp_size * micro)) * micro, micro):
             positions = mine[j:j + micro]
             batch = {k: v.to(env.device) for k, v in batch_of(positions or [a]).items()}
             logps = score(batch).float().view(2, -1)
             if positions:
                 part[torch.tensor(positions, device=env.device) - a] = logps.T
-        values[a:b] = distributed.all_reduce(part)
+        values[a:b] = distributed.all_reduce(ulysses.once(env.sp_group, part))
         save = save and _try(lambda: _write(where / _name(a, b), values[a:b].cpu()), where, info)
     del score  # the reference (a frozen copy) goes with it, before the optimizer state exists
     gc.collect()

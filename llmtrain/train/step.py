@@ -6,6 +6,7 @@ when non-finite). What is the recipe's own is its Objective (llmtrain.recipes: s
 from __future__ import annotations
 
 import math
+from contextlib import AbstractContextManager, nullcontext
 from typing import Callable, NamedTuple, Protocol
 
 import torch
@@ -87,6 +88,7 @@ class Stepper(NamedTuple):
     device: torch.device
     world_size: int
     sp_group: ProcessGroup | None = None  # parallel.sp_size > 1: the ranks that hold this rank's rows
+    saved: Callable[[], AbstractContextManager] = nullcontext  # around each forward (train.activation_offloading)
 
 
 def accumulate(s: Stepper, batches: list[dict], objective: Objective, key: tuple[int, int]) -> StepResult:
@@ -98,13 +100,14 @@ def accumulate(s: Stepper, batches: list[dict], objective: Objective, key: tuple
     shares = []
     for i, batch in enumerate(batches):
         with grad_sync(s.model, s.plan, enabled=i == len(batches) - 1), dropout.rows(*key, batch.get(SAMPLE_INDEX)):
-            with autocast(s.plan, s.device):
+            with autocast(s.plan, s.device), s.saved():
                 part = objective.share(s.model, batch, totals)
             # Data-parallel wrappers average gradients over ranks: x world size makes them the global mean's (with
-            # sequence groups too: each rank's gradient is its slice's part, the sum over all ranks the step's).
+            # sequence groups too: each rank's backward reaches its own slice's part, the sum over ranks the step's).
             scaled = part.loss * s.world_size
             (s.scaler.scale(scaled) if s.scaler else scaled).backward()
-        shares.append(part._replace(loss=None))  # keeps no graph alive
+        # keeps no graph alive; a sequence group's ranks hold the same sums of their whole rows (ulysses.whole)
+        shares.append(part._replace(loss=None, metrics=ulysses.once(s.sp_group, part.metrics)))
     loss, extra = objective.report(combined(shares), totals)
     grad_norm, ok = update(s, loss)
     return StepResult(loss, grad_norm, int(totals[0]), ok, extra)

@@ -112,6 +112,9 @@ def check_on_policy(cfg: DistillConfig) -> None:
         return
     check_engine(cfg.rollout, distributed.device_kind(cfg.distributed) == "cuda")
     why = f"distill.on_policy_fraction={d.on_policy_fraction:g} samples completions for the rows' prompts"
+    if cfg.parallel.sp_size > 1:
+        raise ConfigError(f"parallel.sp_size={cfg.parallel.sp_size}: on-policy steps are not split over a sequence "
+                          f"group yet ({why}); set parallel.sp_size=1 or distill.on_policy_fraction=0")
     if d.teacher_logits is not None:
         raise ConfigError(f"distill.teacher_logits: an offline teacher has no log-probs for the tokens the student "
                           f"samples ({why}); unset it to load the teacher (distill.teacher_path), or set "
@@ -142,11 +145,13 @@ def check_completion_room(section: DistillSection, seq_len: int, configs: dict[s
 
 def check_stored(cfg: DistillConfig) -> None:
     """distill.teacher_logits: a complete, intact precompute of this run's rows, tokenizer, top_k and
-    temperature, covering its train.max_steps (the global batch at WORLD_SIZE ranks)."""
+    temperature, covering its train.max_steps (the global batch at WORLD_SIZE / parallel.sp_size data-parallel
+    ranks)."""
     d = cfg.distill
     check_kd_settings(cfg, "trained from stored log-probs")
     tokenizer = hf.load_tokenizer(cfg.tokenizer.path or cfg.model.path, cfg.model.trust_remote_code)
-    global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * distributed.world_size_from_env()
+    dp_size = distributed.world_size_from_env() // cfg.parallel.sp_size  # one that does not divide: ulysses.check
+    global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * dp_size
     teacher_side.check(d.teacher_logits, teacher_side.expected(cfg.data, cfg.train.seed, tokenizer, d.top_k,
                                                                d.temperature), cfg.train.max_steps * global_batch)
 

@@ -48,7 +48,7 @@ class KDObjective:
             return out[0].loss
 
         student.on_trained_rows(model, batch, on_student)
-        return out[0]
+        return kd.KDSums(*student.whole(torch.stack(out[0])).unbind())  # a sequence split's slice -> the whole rows
 
     def counts(self, batch: dict) -> torch.Tensor:
         return torch.zeros(0, dtype=torch.long, device=batch["labels"].device)
@@ -71,7 +71,7 @@ class KDObjective:
                 student = self.sums(model, batch)
             teacher_ce = self.teacher.frozen.forward(lambda teacher, token_loss: token_loss.loss_sum(teacher, batch))
             return torch.stack([student.ce, student.kd, teacher_ce, trained_tokens(batch["labels"])])
-        totals = validation_sums(model, batches, device, 4, sums)
+        totals = validation_sums(model, batches, device, 4, sums, self.student.sp_group)
         n = totals[3].clamp(min=1)
         return {"val_loss": (totals[0] / n).item(), "val_kd_loss": (totals[1] / n).item(),
                 "val_teacher_loss": (totals[2] / n).item()}

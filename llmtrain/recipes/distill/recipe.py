@@ -34,7 +34,7 @@ class Distill(Finetune):
     name = "distill"
     config_cls = DistillConfig
     usage = USAGE
-    sequence_parallel = False  # the teacher's top-k logits are not sliced with the sequence yet
+    sequence_parallel = True  # the teacher's forward splits as the student's; stored top-k values are sliced
 
     def check(self, cfg: DistillConfig) -> None:
         check(cfg)

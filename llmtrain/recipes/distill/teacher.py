@@ -36,7 +36,7 @@ from llmtrain import data
 from llmtrain.config import ConfigError, DataConfig, ModelConfig, to_dict
 from llmtrain.losses import distill as kd
 from llmtrain.losses.token import trained_tokens
-from llmtrain.models import hf
+from llmtrain.models import hf, ulysses
 from llmtrain.run.resume import data_fingerprint
 from llmtrain.train import frozen
 from llmtrain.train.build import Run
@@ -106,7 +106,8 @@ class StoredTeacher:
     evaluates = False
 
     def dists(self, batch: dict, use: Callable[[TeacherDist], None]) -> None:
-        logps, ids = batch[LOGPS], batch[IDS]
+        # Stored for the whole rows' trained tokens: a sequence split's slice takes its own (called in the forward)
+        logps, ids = ulysses.own_tokens(batch[LOGPS]), ulysses.own_tokens(batch[IDS])
         use(lambda rows: kd.Dist(logps[rows], ids[rows]))
 
 

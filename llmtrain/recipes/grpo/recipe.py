@@ -10,6 +10,7 @@ import torch
 
 from llmtrain import data, distributed, rewards
 from llmtrain.losses import policy
+from llmtrain.models import ulysses
 from llmtrain.recipes.base import Recipe
 from llmtrain.recipes.grpo.config import USAGE, GRPOConfig, GRPOSection, check, check_batch
 from llmtrain.rollout.agent import Agent, Environments, ToolUse
@@ -135,7 +136,10 @@ class Rollouts:
             t = episode.trajectories
             metrics |= tool_metrics(t.calls, t.failures, t.turns, run.env.device)
         advantages = scores.advantages.advantages[rows.start:rows.stop].tolist()
-        micro = self.training_rows(prompt_ids, out.tokens, out.truncated, advantages, out.logps, out.tool_mask)
+        # Sampled per rank; under parallel.sp_size every rank of a sequence group trains on all of the group's rows
+        sp = run.env.sp_group
+        micro = ulysses.group_batches(sp, self.training_rows(prompt_ids, out.tokens, out.truncated, advantages,
+                                                             out.logps, out.tool_mask))
         t = g.temperature
         old = (attach_logps(micro, "old_logps", trainer_logps(run.token_loss, run.model, run.autocast, micro, t))
                if g.num_iterations > 1 else None)
@@ -145,7 +149,8 @@ class Rollouts:
             self.log.write(step + 1, prompts, rows, texts, out, scores.per_func, scores.advantages, messages)
         if g.num_iterations > 1:  # every rank's part, for a checkpoint in the middle of the batch
             self.held = GenerationBatch.gathered(index, out.tokens, out.truncated,
-                                                 scores.advantages.advantages.tolist(), old, ref, out.logps, metrics,
+                                                 scores.advantages.advantages.tolist(), ulysses.own_part(sp, old),
+                                                 ulysses.own_part(sp, ref), out.logps, metrics,
                                                  out.tool_mask, prompt_ids if self.tool_use else None)
         return micro, metrics
 
@@ -159,7 +164,7 @@ class Rollouts:
         for name, saved in (("old_logps", part.old), ("ref_logps", part.ref)):
             if saved is not None:
                 attach_saved_logps(micro, name, saved, self.run.cfg.train.micro_batch_size)
-        return micro, part.metrics
+        return ulysses.group_batches(self.run.env.sp_group, micro), part.metrics
 
     def training_rows(self, prompt_ids: list[list[int]], tokens: list[list[int]], truncated: list[bool],
                       advantages: list[float], engine_logps: list[list[float]],
@@ -177,6 +182,7 @@ class GRPO(Recipe):
     rows = "prompts"
     unit = "completions"
     per_token_logps = True
+    sequence_parallel = True  # the training forward: generation stays unsplit, each rank sampling its own rows
 
     def check(self, cfg: GRPOConfig) -> None:
         self.check_existing_model(cfg, "configs/demo-grpo.yaml")
@@ -202,7 +208,10 @@ class GRPO(Recipe):
                   for j, f in enumerate(funcs) if f.fn is None}
         rollout = build_rollout(cfg.rollout, run, cfg.data.seq_len + g.max_completion_length,
                                 cfg.train.micro_batch_size * cfg.train.grad_accum_steps)
-        run.metrics.info(f"grpo: {run.global_batch // g.num_generations} prompts x {g.num_generations} completions "
+        # Every rank samples micro_batch_size x grad_accum_steps completions, a sequence group's ranks each their own
+        # (run.global_batch counts a group's rows once: the data-parallel ranks')
+        prompts = run.global_batch * run.env.sp_size // g.num_generations
+        run.metrics.info(f"grpo: {prompts} prompts x {g.num_generations} completions "
                          f"per step, loss {g.loss_type}, beta {g.beta:g}"
                          f"{f' (reference: {ref.kind})' if ref else ''}, "
                          f"{g.num_iterations} update(s) per generation batch, rewards "
@@ -210,8 +219,7 @@ class GRPO(Recipe):
         for j, model in models.items():
             run.metrics.info(f"grpo: reward model {funcs[j].spec} ({model.model.describe()})")
         # Every rank gets the step's whole batch of prompts (global batch / G) and samples its share of completions.
-        steps = data.make_steps(built, run.global_batch // g.num_generations, 1, 1, 0, cfg.train.seed, run.env.device,
-                                run.state.data)
+        steps = data.make_steps(built, prompts, 1, 1, 0, cfg.train.seed, run.env.device, run.state.data)
         scorer = Scorer(funcs, g.reward_weights, g.num_generations, g.scale_rewards,
                         rewards.reward_timeout(g.reward_timeout_s, cfg.distributed.timeout_s), run.env.rank,
                         run.env.device, models)
