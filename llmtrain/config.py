@@ -179,8 +179,8 @@ class HarnessConfig:
 @dataclass
 class EvalConfig:
     every_steps: int = ranged("[0, inf)", default=0)
-    """Evaluate val_loss / val_ppl (recipes/dpo.py: val_loss, val_rewards/*, val_logps/*) on all ranks every N
-    steps (and at the end); 0 disables."""
+    """Evaluate val_loss / val_ppl (recipes/dpo.py: val_loss, val_rewards/*, val_logps/*; recipes/kto.py: those
+    and val_kl; recipes/reward.py: val_accuracy, ...) on all ranks every N steps (and at the end); 0 disables."""
     max_batches: int = ranged("[0, inf)", default=0)
     """Micro-batches per rank per evaluation; 0 evaluates the whole validation set."""
     harness: HarnessConfig = field(default_factory=HarnessConfig)

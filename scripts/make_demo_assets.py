@@ -13,6 +13,8 @@ Outputs:
     data/demo/preference.jsonl         {"prompt", "chosen", "rejected"}       preference pairs (DPO)
     data/demo/unpaired.jsonl           {"prompt", "completion", "label"}      the pairs unpaired (KTO): every
                                                                               chosen (true), then every rejected
+    data/demo/reward.jsonl             {"prompt", "chosen", "rejected"}       more pairs of the same kinds, for
+                                                                              the reward-model demo
     assets/tokenizer/                  512-token byte-level BPE, loadable with AutoTokenizer
 
 The text is synthetic English about a tiny fixed "world" (people, places, objects, colours,
@@ -40,6 +42,7 @@ SEED = 20240601
 VOCAB_SIZE = 512
 N_TRAIN, N_VAL, N_INSTRUCT, N_CHAT, N_SHAREGPT = 3000, 200, 600, 600, 100
 N_PREFERENCE = 1000
+N_REWARD = 3000  # the reward demo needs more count pairs than DPO to reach 0.9 held out (docs/preference.md)
 
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
 START_HEADER, END_HEADER, EOT = "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"
@@ -291,10 +294,12 @@ def main(argv=None):
     # TRL's unpair_preference_dataset: each pair's chosen response desirable, its rejected one undesirable
     unpaired = [{"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"}
                 for side in ("chosen", "rejected") for p in pairs]
+    r = rng("reward")
+    reward = [dict(zip(("prompt", "chosen", "rejected"), preference(r))) for _ in range(N_REWARD)]
 
     for name, records in [("train", train), ("val", val), ("instruct", instruct),
                           ("chat", chat), ("sharegpt", sharegpt), ("preference", pairs),
-                          ("unpaired", unpaired)]:
+                          ("unpaired", unpaired), ("reward", reward)]:
         write_jsonl(data / f"{name}.jsonl", records)
 
     corpus = ([d["text"] for d in train] + [" ".join(d.values()) for d in instruct]

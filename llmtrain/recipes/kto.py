@@ -14,6 +14,7 @@ import torch
 
 from llmtrain import data
 from llmtrain.config import Config, ConfigError, ranged
+from llmtrain.data.formats import IGNORE
 from llmtrain.data.unpaired import with_kl_completions
 from llmtrain.losses import kto as kl_lib
 from llmtrain.losses.preference import sequence_logps
@@ -21,7 +22,7 @@ from llmtrain.recipes.base import Recipe
 from llmtrain.train.build import base_identity, build_data, data_source
 from llmtrain.train import reference_cache
 from llmtrain.train.frozen import reference
-from llmtrain.train.step import Share
+from llmtrain.train.step import Share, combined
 
 USAGE = """\
 KTO (Kahneman-Tversky Optimization, as TRL's KTOTrainer) with DDP, FSDP or FSDP2 on GPUs (NCCL) or CPUs (gloo).
@@ -38,7 +39,8 @@ another row's completion (TRL's rotation within chunks of the global batch) over
 
 Writes to output_dir what recipes/finetune.py writes; metrics.jsonl adds TRL's names: rewards/chosen,
 rewards/rejected, rewards/margins, logps/chosen, logps/rejected (means over the step's desirable / undesirable
-rows) and kl (the KL point).
+rows) and kl (the KL point); with eval.every_steps, val_loss, val_kl, val_rewards/chosen, ... over the held-out
+rows (data.val_path or data.val_fraction), their KL point from their own KL rows.
 """
 
 
@@ -88,9 +90,10 @@ class KTO(Recipe):
 
     def check(self, cfg: KTOConfig) -> None:
         self.check_existing_model(cfg, "configs/demo-kto.yaml")
-        if cfg.eval.every_steps:
-            raise ConfigError("eval.every_steps: recipes/kto.py has no validation pass yet; set eval.every_steps=0 "
-                              "(the training metrics rewards/chosen, rewards/rejected and kl show its progress)")
+        if cfg.eval.every_steps and cfg.kto.precompute_reference:
+            raise ConfigError("eval.every_steps: kto.precompute_reference scores the training rows only and frees the "
+                              "reference, so the validation rows have none; set eval.every_steps=0 or "
+                              "kto.precompute_reference=false")
         if cfg.data.streaming:
             raise ConfigError("data.streaming: KTO's KL rows pair each row with another row's completion in stored "
                               "order, which a stream does not have; set data.streaming=false")
@@ -101,11 +104,14 @@ class KTO(Recipe):
         desirable = sum(rows["label"])
         kl_lib.check_sides(desirable, len(rows) - desirable, "the training data")
         built.train = with_kl_completions(rows, run.global_batch, run.cfg.data.seq_len).with_format("torch")
+        if built.val is not None:  # the held-out rows' KL rows: the same rotation, within their own chunks
+            built.val = with_kl_completions(built.val.with_format(None), run.global_batch,
+                                            run.cfg.data.seq_len).with_format("torch")
         return built, data_source(run, built)
 
     def setup(self, run, built) -> None:
         super().setup(run, built)
-        self.section, self.objective = run.cfg.kto, self
+        self.built, self.section, self.objective = built, run.cfg.kto, self
         self.reference_logps = self.reference(run, built)
 
     def reference(self, run, built):
@@ -162,3 +168,40 @@ class KTO(Recipe):
 
     def report(self, metrics: torch.Tensor, totals: torch.Tensor) -> tuple[float, dict]:
         return metrics[0].item(), kl_lib.metrics(metrics[1:], int(totals[1]), int(totals[2]), self.kl(totals).item())
+
+    def evaluate(self, at_step: int) -> dict:
+        """val_loss and val_<TRL's names> over every rank's held-out rows, as the training step computes them with
+        the held-out set as one batch: z0 from all its KL rows (a first pass, combined over ranks), then every
+        row's loss and metrics against that z0 (a second pass). So the values are the same whatever the world size.
+        Collective: every rank passes as many batches (eval_batches), filler included."""
+        run, cfg = self.run, self.run.cfg
+
+        def passes(sums):
+            batches = data.eval_batches(self.built.val, cfg.train.micro_batch_size, run.env.world_size,
+                                        run.env.rank, cfg.eval.max_batches, self.built.collate)
+            shares = []
+            for batch in batches:
+                batch = {k: v.to(run.env.device) for k, v in batch.items()}
+                part = sums(batch)  # every rank runs the forwards, even on eval_batches' filler
+                shares.append(Share(None, part.zero_() if (batch["labels"] == IGNORE).all() else part))
+            return combined(shares)
+
+        was_training = run.model.training
+        run.model.eval()
+        with torch.no_grad():
+            counts = passes(self.counts)  # desirable rows, undesirable rows, Σ KL-row log-ratios
+            kl = kl_lib.kl_point(counts[2], counts[0] + counts[1])  # 0 for apo_zero_unpaired: no KL rows scored
+            summed = passes(lambda batch: self.held_out(batch, kl))
+        run.model.train(was_training)
+        rows = max(int(counts[0] + counts[1]), 1)
+        means = kl_lib.metrics(summed[1:], int(counts[0]), int(counts[1]), kl.item())
+        return {"val_loss": summed[0].item() / rows, **{f"val_{k}": v for k, v in means.items()}}
+
+    def held_out(self, batch: dict, kl: torch.Tensor) -> torch.Tensor:
+        """One validation micro-batch's [Σ loss, RowSums.metrics] against the held-out set's z0."""
+        k = self.section
+        with self.run.autocast():
+            logps = completion_logps(self.run.model, self.run.token_loss, rows_of(batch))
+        sums = kl_lib.kto_sums(logps, self.reference_logps(batch, False), batch["label"], kl, k.beta,
+                               k.desirable_weight, k.undesirable_weight, k.loss_type)
+        return torch.cat([sums.loss.detach().reshape(1), sums.metrics]).double()

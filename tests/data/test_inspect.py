@@ -78,7 +78,7 @@ DEMO_DATA = {
     "demo-distill.yaml": ("tokens", "--- 3000 examples -> 1135 rows of 256 tokens; 286055 trained tokens; "
                                     "packing efficiency 99.9%; 0 truncated; 0 skipped"),
     "demo-dpo.yaml": ("pairs", "--- 1000 examples -> 1000 pairs; 20825 trained tokens; 0 truncated; 0 skipped"),
-    "demo-reward.yaml": ("pairs", "--- 900 examples -> 900 pairs; 18718 trained tokens; 0 truncated; 0 skipped"),
+    "demo-reward.yaml": ("pairs", "--- 2700 examples -> 2700 pairs; 55752 trained tokens; 0 truncated; 0 skipped"),
     "demo-grpo.yaml": ("prompts", "--- 128 examples -> 128 prompts; 0 trained tokens; 0 truncated; 0 skipped"),
     "demo-kto.yaml": ("unpaired", "--- 2000 examples -> 2000 rows; 20825 trained tokens; 0 truncated; 0 skipped"),
     "demo-agent-sft.yaml": ("tokens", "--- 400 examples -> 400 rows of 384 tokens; 14800 trained tokens; "

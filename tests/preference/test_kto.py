@@ -3,7 +3,8 @@ TRL-named metrics against the formulas written out here (TRL 1.16's KTOTrainer; 
 tests/scripts/trl_kto_parity.py, run by hand in a TRL venv); the unpaired records and their KL rows (TRL's rotation);
 one global-batch loss and KL point whatever the split into micro-batches; end to end, the same losses and metrics on
 1 or 2 ranks x none / ddp / fsdp2 x accumulation, the precomputed reference equal to the live one, LoRA's
-adapters-off reference, an exact resume from 2 ranks onto 1, and bad input stopped in one line."""
+adapters-off reference, an exact resume from 2 ranks onto 1, the validation pass (the formulas over the held-out
+rows, the same at any split), and bad input stopped in one line."""
 
 from __future__ import annotations
 
@@ -221,7 +222,7 @@ def kto_args(base, *extra: str) -> list[str]:
             "train.max_steps=3", "kto.beta=0.5", "kto.desirable_weight=1.2", "kto.undesirable_weight=0.8", *extra]
 
 
-SPLITS = {  # name: (ranks, overrides): global batch 4 rows in each
+SPLITS = {  # name: (ranks, overrides): global batch 4 rows in each; all but fsdp2_pre validate at step 3
     "none": (1, ("parallel.strategy=none",)),
     "none_accum": (1, ("parallel.strategy=none", "train.micro_batch_size=2", "train.grad_accum_steps=2")),
     "ddp": (2, ("parallel.strategy=ddp", "train.micro_batch_size=1", "train.grad_accum_steps=2",
@@ -231,6 +232,19 @@ SPLITS = {  # name: (ranks, overrides): global batch 4 rows in each
                       "kto.precompute_reference=true")),
     "lora": (1, ("parallel.strategy=none", "lora.enabled=true", "lora.r=4", "lora.alpha=8", "lora.dropout=0")),
 }
+
+
+VALIDATED = ("none", "none_accum", "ddp", "fsdp2", "lora")
+
+
+def trained(out) -> list[dict]:
+    """The training steps' records (not the validation's)."""
+    return [r for r in read_metrics(out) if "loss" in r]
+
+
+def validation(out) -> dict:
+    (record,) = [r for r in read_metrics(out) if "val_loss" in r]
+    return record
 
 
 def step_one_losses() -> list:
@@ -249,9 +263,20 @@ def kto_rows(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def kto_runs(tmp_path_factory, base, kto_rows):
+def kto_val(tmp_path_factory):
+    """12 held-out demo rows (6 desirable, then 6 undesirable), none of them in kto_rows."""
+    out = tmp_path_factory.mktemp("kto_val") / "val.jsonl"
+    lines = ROWS.read_text().splitlines(keepends=True)
+    out.write_text("".join(lines[20:26] + lines[1020:1026]))
+    return out
+
+
+@pytest.fixture(scope="session")
+def kto_runs(tmp_path_factory, base, kto_rows, kto_val):
     root = tmp_path_factory.mktemp("kto")
-    runs = {name: (root / name, ranks, kto_args(base, f"data.path={kto_rows}", *extra), KTO)
+    evaluate = (f"data.val_path={kto_val}", "eval.every_steps=3")  # after the last step: training is unchanged
+    runs = {name: (root / name, ranks, kto_args(base, f"data.path={kto_rows}", *extra,
+                                                *(evaluate if name in VALIDATED else ())), KTO)
             for name, (ranks, extra) in SPLITS.items()}
     results = run_side_by_side(runs, at_once=3)
     for name, res in results.items():
@@ -262,7 +287,7 @@ def kto_runs(tmp_path_factory, base, kto_rows):
 @pytest.mark.slow
 def test_kto_losses_and_metrics_match_across_strategies_ranks_accumulation_and_the_precomputed_reference(kto_runs):
     """The KL point is the step's: equal on every split; step 1 (policy = reference) is 1 - sigmoid(0) weighted."""
-    want = read_metrics(kto_runs["none"])
+    want = trained(kto_runs["none"])
     assert len(want) == 3 and want[0]["kl"] == 0 and want[0]["loss"] in step_one_losses()
     assert any(r["kl"] > 0 for r in want[1:]) and want[2]["loss"] not in step_one_losses()
     log = (kto_runs["fsdp2_pre"] / "stdout.log").read_text()
@@ -270,7 +295,7 @@ def test_kto_losses_and_metrics_match_across_strategies_ranks_accumulation_and_t
     for split in SPLITS:
         if split == "lora":
             continue
-        got = read_metrics(kto_runs[split])
+        got = trained(kto_runs[split])
         assert len(got) == 3, split
         for g, w in zip(got, want):
             for key in ("loss", *METRICS):
@@ -285,7 +310,7 @@ def test_kto_lora_reference_is_the_policy_with_adapters_off(kto_runs):
     the loss is the weighted mean of 1 - sigmoid(0); then the adapters train away from it."""
     out = kto_runs["lora"]
     assert "kto: loss kto, beta 0.5, reference adapters off" in (out / "stdout.log").read_text()
-    first, *rest = read_metrics(out)
+    first, *rest = trained(out)
     assert first["kl"] == 0 and first.get("rewards/chosen", 0) == 0 and first.get("rewards/rejected", 0) == 0
     assert first["loss"] in step_one_losses() and rest[-1]["loss"] not in step_one_losses()
 
@@ -299,17 +324,67 @@ def test_kto_resumes_exactly_from_two_ranks_onto_one(tmp_path, kto_runs, base, k
     res = run_recipe(out, *kto_args(base, f"data.path={kto_rows}", "parallel.strategy=none"), script=KTO)
     assert "resumed at step 2" in res.stdout
     (got,) = [r for r in read_metrics(out) if r["step"] == 3]
-    (want,) = [r for r in read_metrics(kto_runs["fsdp2"]) if r["step"] == 3]
+    (want,) = [r for r in trained(kto_runs["fsdp2"]) if r["step"] == 3]
     for key in ("loss", *METRICS):
         assert (key in got) == (key in want) and got.get(key) == pytest.approx(want.get(key), abs=TOL, rel=REL), key
     assert losses_by_step(out)[3] == pytest.approx(losses_by_step(kto_runs["none"])[3], abs=TOL)
 
 
+VAL_METRICS = ("val_loss", *(f"val_{k}" for k in METRICS))
+
+
+@pytest.mark.slow
+def test_kto_validation_equals_trl_formulas_over_the_held_out_rows(kto_runs, kto_val, base, tok):
+    """Step 3's validation on one process: the trained export and the reference (model.path) score the 12 held-out
+    rows and their KL rows (TRL's rotation within chunks of the global batch, 4); z0 over all of them, then each
+    row's loss and reward by TRL's formula: val_loss, val_kl and the val_ metrics are those means."""
+    from transformers import AutoModelForCausalLM
+
+    got = validation(kto_runs["none"])
+    assert got["step"] == 3 and set(got) == {"step", *VAL_METRICS}
+    records = [json.loads(line) for line in kto_val.read_text().splitlines()]
+    (batch,) = batches(tok, records, [(0, 12)], chunk=4)
+    policy, reference = (AutoModelForCausalLM.from_pretrained(path).eval() for path in (kto_runs["none"] / "hf", base))
+
+    def logps(model, kl=False):
+        p = "kl_" if kl else ""
+        with torch.no_grad():
+            logits = model(input_ids=batch[p + "input_ids"], position_ids=batch[p + "position_ids"]).logits
+        return sequence_logps(token_logps(logits, batch[p + "labels"]), batch[p + "labels"])[0].tolist()
+
+    assert batch["label"].tolist() == [True] * 6 + [False] * 6
+    policy_logps = logps(policy)
+    z0 = max(0.0, sum(a - b for a, b in zip(logps(policy, True), logps(reference, True))) / 12)
+    rows = [trl_formula("kto", 0.5, 1.2, 0.8, p, r, good, z0)
+            for p, r, good in zip(policy_logps, logps(reference), batch["label"].tolist())]
+    want = {"val_loss": sum(r[0] for r in rows) / 12, "val_kl": z0,
+            "val_rewards/chosen": sum(r[2] for r in rows[:6]) / 6, "val_logps/chosen": sum(policy_logps[:6]) / 6,
+            "val_rewards/rejected": sum(r[2] for r in rows[6:]) / 6, "val_logps/rejected": sum(policy_logps[6:]) / 6}
+    want["val_rewards/margins"] = want["val_rewards/chosen"] - want["val_rewards/rejected"]
+    assert want["val_rewards/margins"] != 0
+    for name, value in want.items():
+        assert got[name] == pytest.approx(value, abs=TOL, rel=REL), name
+
+
+@pytest.mark.slow
+def test_kto_validation_is_the_same_on_1_or_2_ranks_strategies_and_accumulation(kto_runs):
+    """The held-out set's z0 and means are global, like the training metrics: none, none + accumulation, ddp and
+    fsdp2 log the same val_ values; LoRA (adapters-off reference) logs every one of them too."""
+    want = validation(kto_runs["none"])
+    for split in ("none_accum", "ddp", "fsdp2"):
+        got = validation(kto_runs[split])
+        assert set(got) == set(want), split
+        for key in VAL_METRICS:
+            assert got[key] == pytest.approx(want[key], abs=TOL, rel=REL), (split, key)
+    lora = validation(kto_runs["lora"])
+    assert set(lora) == set(want) and lora["val_loss"] != pytest.approx(want["val_loss"], abs=TOL)
+
+
 @pytest.mark.slow
 def test_kto_bad_input_stops_in_one_line(tmp_path, base, run_setup, kto_rows):
     """Set-up refusals before any process group, and data with one side only stopped once it is read."""
-    cases = {("eval.every_steps=5", "data.val_fraction=0.1"):
-             "eval.every_steps: recipes/kto.py has no validation pass yet",
+    cases = {("eval.every_steps=5", "data.val_fraction=0.1", "kto.precompute_reference=true"):
+             "eval.every_steps: kto.precompute_reference scores the training rows only",
              ("train.loss_impl=liger",): "train.loss_impl: recipes/kto.py takes chunked (the default) or full",
              ("data.format=preference",): "data.format: preference gives pairs rows but this recipe trains on "
                                           "unpaired: set data.format=unpaired",

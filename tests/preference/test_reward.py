@@ -260,3 +260,19 @@ def test_reward_bad_settings_name_the_key(tmp_path, base, run_setup):
         code, _, err = run_setup(REWARD, "--config", TINY, f"output_dir={tmp_path / f'bad{i}'}", *args, *overrides)
         assert code == 2 and cases[overrides] in err, (overrides, err[-2000:])
         assert "Traceback" not in err
+
+
+def test_reward_demo_table_is_the_committed_run():
+    """docs/preference.md's reward-demo table is the eval records of docs/measured/demo-reward.jsonl (the metrics.jsonl
+    of the page's command, after the SFT demo), and its last held-out accuracy is the issue's >= 0.9. When a change
+    moves them, run the command again, copy its metrics.jsonl over the measured file and update the table."""
+    records = [json.loads(line) for line in (REPO / "docs" / "measured" / "demo-reward.jsonl").read_text().splitlines()]
+    evals = {r["step"]: r for r in records if "val_loss" in r}
+    lines = (REPO / "docs" / "preference.md").read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("| held-out `val_accuracy` |"))
+    cells = lambda line: [c.strip() for c in line.strip().strip("|").split("|")][1:]  # noqa: E731
+    steps = [int(s) for s in cells(lines[at - 2])]
+    assert steps == sorted(evals), steps
+    assert cells(lines[at]) == [f"{evals[s]['val_accuracy']:.3f}" for s in steps]
+    assert cells(lines[at + 1]) == [f"{evals[s]['val_margin']:.2f}" for s in steps]
+    assert evals[steps[-1]]["val_accuracy"] >= 0.9
