@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import re
 import shlex
 
@@ -359,6 +360,9 @@ def test_curve_figures_are_what_the_script_prints():
         "**1.045** (steps 101-120; 1.035 over 111-120)")
     doc = " ".join(text(REPO / "docs" / "grpo.md").split())
     assert "python scripts/curve_figures.py outputs/demo-grpo" in doc
+    # The line docs/grpo.md quotes is what the script prints from the committed run it names.
+    measured = [json.loads(line) for line in text(REPO / "docs" / "measured" / "demo-grpo.jsonl").splitlines()]
+    assert "measured/demo-grpo.jsonl" in doc and curve.figures(measured, "reward", 50, 10) in doc
     assert re.search(r"`reward`, mean over 50-step windows: \*\*[\d.]+\*\* \(steps 1-50; [\d.]+ over steps 1-10\)"
                      r"(, [\d.]+)+, \*\*[\d.]+\*\* \(steps 351-400; [\d.]+ over 391-400\)", doc)
 
