@@ -22,7 +22,7 @@ README_MAX_LINES = 260
 # Added by the lint / fast-test change in flight; drop once the Makefile has them.
 PENDING_MAKE_TARGETS = {"lint", "test-fast"}
 
-FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
+FENCE = re.compile(r"^[ \t]*```.*?^[ \t]*```", re.MULTILINE | re.DOTALL)  # indented too (inside a list item)
 INLINE_CODE = re.compile(r"`[^`\n]+`")
 PATHS = re.compile(r"(?<![\w/.-])((?:recipes/[\w./-]+?\.py|configs/[\w./-]+?\.yaml)|bench/[\w./-]*)")
 MODULE = re.compile(r"-m\s+(llmtrain(?:\.\w+)+)")
@@ -186,6 +186,7 @@ def fenced_commands(path):
     and (line number, [quoted outputs/... strings]) of each python fence line."""
     out, fence, pending, start = [], None, "", 0
     for number, line in enumerate(text(path).splitlines(), 1):
+        line = line.strip()  # a fence inside a list item is indented
         if line.startswith("```"):
             fence = line[3:].strip() if fence is None else None
             continue
