@@ -35,6 +35,11 @@ FAMILIES: dict[str, Parts] = {
                    "model.vision_tower.encoder.layers", "model.language_model.layers"),
     "qwen2_5_vl": Parts("model.visual", "model.visual.merger", "model.language_model", "model.visual.blocks",
                         "model.language_model.layers"),
+    "gemma3": Parts("model.vision_tower", "model.multi_modal_projector", "model.language_model",
+                    "model.vision_tower.encoder.layers", "model.language_model.layers"),
+    # SmolVLM is Idefics3's architecture under its own model_type (its processor needs torchvision).
+    **dict.fromkeys(("idefics3", "smolvlm"), Parts("model.vision_model", "model.connector", "model.text_model",
+                                                   "model.vision_model.encoder.layers", "model.text_model.layers")),
 }
 # model.freeze's choices: the parts a user may freeze.
 PART_NAMES = ("vision_tower", "projector", "language_model")

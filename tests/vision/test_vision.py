@@ -20,8 +20,9 @@ from llmtrain.data import vision as vision_data
 from llmtrain.data.formats import IGNORE, MODEL_INPUT, model_inputs
 from llmtrain.data.sampling import GlobalOrderSampler
 from llmtrain.losses.token import token_loss_sum
+from llmtrain.models.vision import FAMILIES as VISION_FAMILIES
 
-FAMILIES = ["llava", "qwen2_5_vl"]
+FAMILIES = ["llava", "qwen2_5_vl", "gemma3", "idefics3"]
 SEED, STEPS, GLOBAL = 7, 3, 4
 RUN = """\
 data:
@@ -276,3 +277,31 @@ def test_generate_image_matches_transformers(assets, family, capsys):
     assert printed == proc.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
     assert generate.main(["--model", str(model_dir), "--image", "gone.png", "--prompt", "x"]) == 2
     assert "--image gone.png: no such file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", sorted(VISION_FAMILIES))
+def test_registry_names_modules_of_each_family(family):
+    """Every FAMILIES entry names modules its transformers class has (SmolVLM, whose processor needs torchvision,
+    is Idefics3's layout under its own model_type: checked here on its meta model only)."""
+    from accelerate import init_empty_weights
+    from transformers import SmolVLMConfig
+
+    from helpers.vision import FAMILIES as MAKERS
+    from llmtrain.models import vision
+
+    if family == "smolvlm":
+        tiny = MAKERS["idefics3"](None)[0].to_dict()
+        config = SmolVLMConfig(text_config=tiny["text_config"], vision_config=tiny["vision_config"], scale_factor=2)
+    else:
+        config = MAKERS[family](None)[0]
+    with init_empty_weights():
+        model = AutoModelForImageTextToText.from_config(config)
+    assert vision.is_vision(model.config) and model.config.model_type == family
+    p = vision.parts(model)
+    for path in (p.tower, p.projector, p.language, p.blocks, p.layers):
+        model.get_submodule(path)
+    units = vision.wrap_units(model)
+    assert len({id(m) for m in units}) == len(units)
+    every = {id(q) for q in model.parameters()}
+    parts = [vision.part_params(model, part) for part in vision.PART_NAMES]
+    assert set().union(*parts) == every and sum(map(len, parts)) == len(every)  # the parts cover it, once each
