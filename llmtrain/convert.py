@@ -102,7 +102,8 @@ def merged_lora(cfg, trained: dict[str, torch.Tensor], config) -> dict[str, torc
         with safe_open(f, framework="pt") as handle:
             base.update({k: handle.get_tensor(k) for k in handle.keys()})
     if cfg.lora.quantize_base == "nf4":
-        base = nf4.round_trip(base, lora.apply(build_meta_model(config, cfg.model), cfg.lora), cfg.lora)
+        meta = lora.apply(build_meta_model(config, cfg.model), cfg.lora, cfg.model.freeze)
+        base = nf4.round_trip(base, meta, cfg.lora)
     return lora.merge(base, trained, cfg.lora)
 
 

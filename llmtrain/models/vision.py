@@ -107,6 +107,20 @@ def freeze(model: nn.Module, frozen: list[str]) -> None:
             q.requires_grad_(False)
 
 
+def adaptable(model: nn.Module, frozen: list[str]) -> list[str]:
+    """LoRA on a vision-language model: the names of the linear layers it may adapt, those of the parts that
+    train (not in model.freeze: by default the projector and the language model), never the output layer."""
+    out = model.get_output_embeddings()
+    off = set().union(*(part_params(model, part) for part in frozen)) if frozen else set()
+    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and m is not out
+            and not any(id(q) in off for q in m.parameters())]
+
+
+def language_layers(model: nn.Module) -> list[nn.Module]:
+    """The language model's decoder layers (QLoRA quantizes theirs only: the vision tower stays exact)."""
+    return list(_module(model, parts(model).layers))
+
+
 def wrap_units(model: nn.Module) -> list[nn.Module]:
     """The modules each sharded as a unit (the root is the caller's): the vision blocks, the projector, the
     tower's other children with weights (embeddings, norms), the decoder layers. The tower itself is no unit:

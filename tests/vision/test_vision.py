@@ -145,13 +145,13 @@ def test_image_data_for_a_text_only_model_is_a_bad_record_saying_so(assets):
 
 
 def test_packing_and_a_sequence_split_are_refused_in_one_line(assets):
-    from llmtrain.config import LoraConfig, ModelConfig
+    from llmtrain.config import ModelConfig
 
     llava = ModelConfig(path=str(assets / "llava"))
     with pytest.raises(ConfigError, match="data.packing: rows with images are padded, not packed"):
-        vision_data.check(DataConfig(format="chat", packing=True), llava, LoraConfig(), 1)
+        vision_data.check(DataConfig(format="chat", packing=True), llava, 1)
     with pytest.raises(ConfigError, match="parallel.sp_size=2: sequence parallelism splits text rows only"):
-        vision_data.check(DataConfig(format="chat", packing=False), llava, LoraConfig(), 2)
+        vision_data.check(DataConfig(format="chat", packing=False), llava, 2)
 
 
 SPLITS = {  # name -> (ranks, overrides): the global batch of 4 split every way
@@ -162,20 +162,30 @@ SPLITS = {  # name -> (ranks, overrides): the global batch of 4 split every way
 }
 
 
+# LoRA (model.freeze's default: adapters on the projector and the language model) and QLoRA (an NF4 language
+# model) on 2 fsdp2 ranks, both exports.
+ADAPTERS = {
+    ("qwen2_5_vl", "lora"): (2, ["parallel.strategy=fsdp2", "train.micro_batch_size=1", "lora.enabled=true",
+                                 "lora.export=both"]),
+    ("llava", "qlora"): (2, ["parallel.strategy=fsdp2", "train.micro_batch_size=1", "lora.enabled=true",
+                             "lora.export=both", "lora.quantize_base=nf4"]),
+}
+
+
 @pytest.fixture(scope="module")
 def runs(assets) -> dict[tuple[str, str], Path]:
-    """Every family x split, two at a time."""
+    """Every family x split, and ADAPTERS' runs, two at a time."""
     config = assets / "run.yaml"
     config.write_text(RUN.format(data=assets / "data" / "train.jsonl", steps=STEPS, seed=SEED))
+    jobs = {**{(family, split): run for family in FAMILIES for split, run in SPLITS.items()}, **ADAPTERS}
     out, running = {}, []
-    for family in FAMILIES:
-        for split, (nproc, overrides) in SPLITS.items():
-            if len(running) == 2:
-                finish_recipe(running.pop(0))
-            out[family, split] = assets / "runs" / f"{family}-{split}"
-            running.append(start_recipe(out[family, split], f"model.path={assets / family}",
-                                        f"model.trust_remote_code={str(TRUST_REMOTE_CODE[family]).lower()}",
-                                        *overrides, nproc=nproc, config=config))
+    for (family, split), (nproc, overrides) in jobs.items():
+        if len(running) == 2:
+            finish_recipe(running.pop(0))
+        out[family, split] = assets / "runs" / f"{family}-{split}"
+        running.append(start_recipe(out[family, split], f"model.path={assets / family}",
+                                    f"model.trust_remote_code={str(TRUST_REMOTE_CODE[family]).lower()}",
+                                    *overrides, nproc=nproc, config=config))
     for proc in running:
         finish_recipe(proc)
     return out
@@ -254,6 +264,45 @@ def test_frozen_tower_and_export(assets, runs, family):
         sums = [_loss(trained, vision_data.collate(rows[i:i + 2], proc)) for i in range(0, len(rows), 2)]
         val = [r["val_loss"] for r in read_metrics(runs[family, split]) if "val_loss" in r][-1]
         assert sum(s for s, _ in sums) / sum(n for _, n in sums) == pytest.approx(val, abs=1e-5), split
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, kind", ADAPTERS)
+def test_adapters_load_on_the_base_with_peft_and_give_the_merged_export(assets, runs, family, kind):
+    """adapter/ (PEFT) loaded on the original base gives the merged hf/ export's logits on a batch with images
+    (QLoRA: on the base as its NF4 round trip, what the adapters trained on); the adapters sit on the projector
+    and the language model only, the vision tower of hf/ is the original's bit for bit, and (QLoRA) only the
+    language model's block linears were quantized."""
+    from peft import PeftModel
+
+    from llmtrain.config import load_config
+    from llmtrain.models import lora, nf4, vision
+    from llmtrain.models.hf import build_meta_model
+
+    run = runs[family, kind]
+    assert losses_by_step(run)[STEPS] < losses_by_step(run)[1]
+    merged = AutoModelForImageTextToText.from_pretrained(run / "hf", dtype=torch.float32).eval()
+    base = AutoModelForImageTextToText.from_pretrained(assets / family, dtype=torch.float32)
+    original = base.state_dict()
+    adapted = json.loads((run / "adapter" / "adapter_config.json").read_text())["target_modules"]
+    p = vision.parts(base)
+    assert any(m.startswith(p.projector) for m in adapted) and any(m.startswith(p.language) for m in adapted)
+    assert not any(m.startswith(p.tower) and not m.startswith(p.projector) for m in adapted)
+    if kind == "qlora":
+        cfg = load_config(run / "config.yaml")
+        rounded = nf4.round_trip(original, lora.apply(build_meta_model(base.config, cfg.model), cfg.lora,
+                                                      cfg.model.freeze), cfg.lora)
+        changed = {k for k in original if not torch.equal(rounded[k], original[k])}
+        assert changed and all(k.startswith(p.layers) for k in changed), sorted(changed)
+        base.load_state_dict(rounded)
+    tower = vision.part_params(merged, "vision_tower")
+    for name, q in merged.named_parameters():
+        if id(q) in tower:
+            assert torch.equal(q, original[name]), name
+    adapter = PeftModel.from_pretrained(base, run / "adapter").eval()
+    batch = model_inputs(vision_data.collate(encoded(assets, family)[:4], processor(assets, family)))
+    with torch.no_grad():
+        torch.testing.assert_close(adapter(**batch).logits, merged(**batch).logits, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
