@@ -4,6 +4,7 @@ tower, the export with its processor."""
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import typing
@@ -354,3 +355,41 @@ def test_registry_names_modules_of_each_family(family):
     every = {id(q) for q in model.parameters()}
     parts = [vision.part_params(model, part) for part in vision.PART_NAMES]
     assert set().union(*parts) == every and sum(map(len, parts)) == len(every)  # the parts cover it, once each
+
+
+def _counted(forward, calls: collections.Counter, key: int, *args, **kwargs):
+    calls.update([key])
+    return forward(*args, **kwargs)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])  # the others' blocks are the same transformers layers
+def test_activation_checkpointing_recomputes_both_towers_with_the_same_loss_and_grads(assets, family):
+    """parallel.activation_checkpointing (as parallelize applies it) on a model training all its parts: every
+    block of the vision tower and of the language model runs again in backward, and the loss and every gradient
+    (the vision blocks' included) are those of the model without it."""
+    from llmtrain import parallelize
+    from llmtrain.models import vision
+
+    batch = vision_data.collate(encoded(assets, family)[:2], processor(assets, family))
+    results = {}
+    for checkpointed in (False, True):
+        model = AutoModelForImageTextToText.from_pretrained(assets / family, dtype=torch.float32).train()
+        if checkpointed:
+            parallelize.apply_activation_checkpointing(model)
+        towers = {"vision": list(model.get_submodule(vision.parts(model).blocks)),
+                  "language": vision.language_layers(model)}
+        calls = collections.Counter()
+        for block in [*towers["vision"], *towers["language"]]:  # counted inside: a recompute runs no module hooks
+            block.mlp.forward = functools.partial(_counted, block.mlp.forward, calls, id(block.mlp))
+        loss = token_loss_sum(model(**model_inputs(batch), use_cache=False).logits, batch["labels"])
+        loss.backward()
+        assert all(q.grad is not None for block in towers["vision"] for q in block.parameters())
+        results[checkpointed] = (loss.detach(), {n: q.grad for n, q in model.named_parameters()},
+                                 {part: [calls[id(b.mlp)] for b in blocks] for part, blocks in towers.items()})
+    (plain, plain_grads, plain_calls), (ac, ac_grads, ac_calls) = results[False], results[True]
+    assert (plain_calls, ac_calls) == ({"vision": [1, 1], "language": [1, 1]}, {"vision": [2, 2], "language": [2, 2]})
+    torch.testing.assert_close(ac, plain, rtol=0, atol=1e-6)
+    for name, grad in plain_grads.items():
+        assert (ac_grads[name] is None) == (grad is None), name
+        if grad is not None:
+            torch.testing.assert_close(ac_grads[name], grad, rtol=0, atol=1e-6, msg=name)
