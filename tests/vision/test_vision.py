@@ -219,9 +219,9 @@ def test_losses_match_from_pretrained_and_every_split(assets, runs, family):
 
 
 @pytest.mark.slow
-def test_resume_two_ranks_to_one_is_exact(assets, runs, capsys):
+def test_resume_two_ranks_to_one_is_exact(assets, runs):
     """fsdp2 on 2 ranks checkpointed at step 2, resumed by 1 process without a wrapper: step 3's loss and the
-    export are the uninterrupted run's. (convert refuses the checkpoint in one line: it has no frozen tower.)"""
+    export are the uninterrupted run's."""
     out, running = {}, []
     for family in FAMILIES:
         out[family] = assets / "runs" / f"{family}-resumed"
@@ -231,10 +231,6 @@ def test_resume_two_ranks_to_one_is_exact(assets, runs, capsys):
                                     "eval.every_steps=0", config=assets / "run.yaml"))
     for proc in running:
         finish_recipe(proc)
-    from llmtrain import convert
-
-    assert convert.main([str(runs["llava", "fsdp2"] / "checkpoints" / "step_2"), str(assets / "converted")]) == 2
-    assert "convert does not write its export yet" in capsys.readouterr().err
     for family in FAMILIES:
         assert list(losses_by_step(out[family])) == [3]
         assert losses_by_step(out[family])[3] == pytest.approx(losses_by_step(runs[family, "none"])[3], abs=1e-5)
@@ -265,6 +261,32 @@ def test_frozen_tower_and_export(assets, runs, family):
         sums = [_loss(trained, vision_data.collate(rows[i:i + 2], proc)) for i in range(0, len(rows), 2)]
         val = [r["val_loss"] for r in read_metrics(runs[family, split]) if "val_loss" in r][-1]
         assert sum(s for s, _ in sums) / sum(n for _, n in sums) == pytest.approx(val, abs=1e-5), split
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, split", [("llava", "fsdp2"), ("qwen2_5_vl", "fsdp2"), ("llava", "qlora")])
+def test_convert_writes_the_runs_export_with_its_processor(assets, runs, tmp_path, family, split):
+    """`python -m llmtrain.convert` of the last checkpoint, which holds the trained weights only (the frozen
+    vision tower, or QLoRA's base, come from the run's model.path), writes the run's own exports: the same
+    tensors and the processor files (Qwen's processor code included), loaded by AutoProcessor."""
+    from safetensors.torch import load_file
+
+    from llmtrain import convert
+
+    run = runs[family, split]
+    assert convert.main([str(run / "checkpoints" / f"step_{STEPS}"), str(tmp_path / "out")]) == 0
+    # OUT is the export itself, or a LoRA run's adapter/ and hf/ beside each other as in output_dir
+    files = ["adapter/adapter_model.safetensors", "hf/model.safetensors"] if split == "qlora" else ["model.safetensors"]
+    for name in files:
+        written, exported = load_file(tmp_path / "out" / name), load_file(run / ("" if "/" in name else "hf") / name)
+        assert written.keys() == exported.keys(), name
+        for key, tensor in exported.items():
+            torch.testing.assert_close(written[key], tensor, rtol=0, atol=1e-6, msg=key)
+    want = processor(assets, family)
+    proc = AutoProcessor.from_pretrained(tmp_path / "out" / Path(files[-1]).parent,
+                                         trust_remote_code=TRUST_REMOTE_CODE[family])
+    assert type(proc).__name__ == type(want).__name__ and proc.chat_template == want.chat_template
+    assert proc.image_processor.to_dict() == want.image_processor.to_dict()
 
 
 @pytest.mark.slow
