@@ -86,7 +86,8 @@ class ModelConfig:
     llmtrain/models/attention.py); a family without it (Gemma2: no sdpa) gets eager, logged."""
     freeze: list[Literal["vision_tower", "projector", "language_model"]] = field(
         default_factory=lambda: ["vision_tower"])
-    """A vision-language model's parts left untrained (docs/vision.md); [] trains all three. Text models: unused."""
+    """A vision-language model's parts left untrained (docs/vision.md); [] trains all three; with LoRA, the parts
+    without adapters. Text models: unused."""
 
 
 @dataclass

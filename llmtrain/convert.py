@@ -3,7 +3,8 @@
     python -m llmtrain.convert output_dir/checkpoints/step_<N> OUT [--dtype bf16] [--max-shard-size 5GB]
 
 A LoRA checkpoint (adapters only) becomes OUT/adapter (PEFT) and/or OUT/hf (merged onto model.path's base),
-as its lora.export says.
+as its lora.export says. A vision-language model's checkpoint holds its trained weights only: the frozen parts
+(model.freeze) come from the run's model.path, and OUT/hf gets that model's processor files.
 
 One process, no GPU, no process group. Each model tensor is allocated once, in the target dtype, and
 DCP reads the shards straight into it: never more than one full copy of the weights."""
@@ -23,10 +24,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from llmtrain.checkpoint import HF_CONFIG_DIR, STATE_FILE, is_complete, verify
-from llmtrain.config import ConfigError, load_config
+from llmtrain import data
+from llmtrain.config import Config, ConfigError, load_config
+from llmtrain.data import vision as vision_data
 from llmtrain.export import LORA_OUTPUTS, write_adapter, write_hf
 from llmtrain.models import lora, nf4, vision
-from llmtrain.models.hf import WEIGHTS_FILE, WEIGHTS_INDEX, build_meta_model, model_type
+from llmtrain.models.hf import WEIGHTS_FILE, WEIGHTS_INDEX, build_meta_model, model_type, read_weights
 from llmtrain.utils import DTYPES, nesting
 
 PREFIX = "model."
@@ -89,20 +92,31 @@ def lora_config(ckpt: Path):
     return cfg
 
 
-def merged_lora(cfg, trained: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+def _weight_names(model) -> set[str]:
+    """The model's weights by their names (a tied output layer once, as the embedding)."""
+    return {n for n, _ in model.named_parameters()}
+
+
+def with_frozen(cfg: Config, trained: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """A vision-language model's checkpoint weights with the frozen parts it does not hold, read from the run's
+    model.path."""
+    missing = _weight_names(build_meta_model(config, cfg.model)) - trained.keys()
+    if missing and cfg.model.path is None:
+        raise CheckpointError("the frozen parts were a random init (model.config), which the checkpoint does not "
+                              "hold; the recipe's own export has the whole model")
+    return {**(read_weights(config, missing, Path(cfg.model.path)) if missing else {}), **trained}
+
+
+def merged_lora(cfg: Config, trained: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
     """model.path's base weights with the checkpoint's adapters merged in (fp32); a QLoRA base as the
     dequantized NF4 weights the adapters trained on."""
-    from safetensors import safe_open
-
     if cfg.model.path is None:
         raise CheckpointError("the base was a random init (model.config), not a model directory: only the "
                               "adapter can be converted; the recipe's own export has the merged model")
-    base = {}
-    for f in sorted(Path(cfg.model.path).glob("*.safetensors")):
-        with safe_open(f, framework="pt") as handle:
-            base.update({k: handle.get_tensor(k) for k in handle.keys()})
+    meta = build_meta_model(config, cfg.model)
+    base = read_weights(config, _weight_names(meta), Path(cfg.model.path))
     if cfg.lora.quantize_base == "nf4":
-        base = nf4.round_trip(base, lora.apply(build_meta_model(config, cfg.model), cfg.lora), cfg.lora)
+        base = nf4.round_trip(base, lora.apply(meta, cfg.lora, cfg.model.freeze), cfg.lora)
     return lora.merge(base, trained, cfg.lora)
 
 
@@ -149,22 +163,29 @@ def convert(ckpt: Path, out: Path, dtype: str, max_shard_size: str, overwrite: b
     """The checkpoint's export written to `out` (a LoRA checkpoint's to out/adapter and/or out/hf, as its
     lora.export says). A non-empty `out` is replaced only with `overwrite`, and only when it is a previous export:
     refused (before the checkpoint is read) otherwise (check_out). CheckpointError names what is wrong."""
-    if vision.is_vision_type(model_type(ckpt / HF_CONFIG_DIR)):
-        raise CheckpointError(f"{ckpt} is a vision-language model's checkpoint, which holds its trained weights only "
-                              "(not the frozen vision tower): convert does not write its export yet; the run's "
-                              "output_dir/hf is written at the end (checkpoint.export_every_steps: during the run)")
+    vlm = vision.is_vision_type(model_type(ckpt / HF_CONFIG_DIR))
     cfg = lora_config(ckpt) if is_lora(ckpt) else None
     targets = [out] if cfg is None else [out / name for name in LORA_OUTPUTS[cfg.lora.export]]
     check_out(ckpt, out, None if cfg is None else LORA_OUTPUTS[cfg.lora.export], cfg and cfg.model.path, overwrite)
+    run, processor = cfg, None
+    if vlm:  # its processor (and frozen parts) are the run's model.path's
+        run = cfg or load_config(ckpt / "config.yaml")
+        try:
+            processor = vision_data.load_processor(run.model.path, run.model.trust_remote_code,
+                                                   data.chat_template(run.data))
+        except (ConfigError, OSError) as e:
+            raise CheckpointError(f"the run's model.path {run.model.path} (the processor and frozen parts of this "
+                                  f"vision-language checkpoint): {e}") from None
     model = read_checkpoint(ckpt, dtype)
     if cfg is None:
-        write_hf(model.weights, out, model.config, model.tokenizer, DTYPES[dtype], max_shard_size)
+        weights = with_frozen(run, model.weights, model.config) if vlm else model.weights
+        write_hf(weights, out, model.config, model.tokenizer, DTYPES[dtype], max_shard_size, processor)
         return targets
     if "adapter" in LORA_OUTPUTS[cfg.lora.export]:
         write_adapter(model.weights, out / "adapter", cfg.lora, cfg.model.path)
     if "hf" in LORA_OUTPUTS[cfg.lora.export]:
         write_hf(merged_lora(cfg, model.weights, model.config), out / "hf", model.config, model.tokenizer,
-                 DTYPES[dtype], max_shard_size)
+                 DTYPES[dtype], max_shard_size, processor)
     return targets
 
 

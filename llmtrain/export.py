@@ -174,9 +174,9 @@ def export_hf(model: nn.Module, strategy: Strategy, device: torch.device, out: s
 
 def export_lora(model: nn.Module, strategy: Strategy, device: torch.device, output_dir: Path, step_dir: str,
                 section: LoraConfig, base_path: str | None, model_config, tokenizer, dtype: torch.dtype,
-                max_shard_size: str, wait_minutes: float = 0.0) -> list[Path]:
-    """Collective. output_dir/adapter[/step_dir] (PEFT) and/or output_dir/hf[/step_dir] (merged), as
-    lora.export says; returns what was written."""
+                max_shard_size: str, wait_minutes: float = 0.0, processor=None) -> list[Path]:
+    """Collective. output_dir/adapter[/step_dir] (PEFT) and/or output_dir/hf[/step_dir] (merged, with a
+    vision-language model's processor files), as lora.export says; returns what was written."""
     written_dirs, main = [], dist.get_rank() == 0
     if "adapter" in LORA_OUTPUTS[section.export]:
         adapters = strategy.full_weights(model, device, trainable_only=True)
@@ -187,7 +187,8 @@ def export_lora(model: nn.Module, strategy: Strategy, device: torch.device, outp
     if "hf" in LORA_OUTPUTS[section.export]:
         state = hf_state(model, strategy, device, section)
         out = output_dir / "hf" / step_dir
-        write = (lambda: write_hf(dict(state), out, model_config, tokenizer, dtype, max_shard_size)) if main else None
+        write = (lambda: write_hf(dict(state), out, model_config, tokenizer, dtype, max_shard_size, processor)) \
+            if main else None
         write_until_fits(write, out, _bytes(state, dtype), wait_minutes)
         written_dirs.append(out)
     return written_dirs

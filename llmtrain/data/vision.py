@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from llmtrain.config import ConfigError, DataConfig, LoraConfig, ModelConfig
+from llmtrain.config import ConfigError, DataConfig, ModelConfig
 from llmtrain.data.formats import GENERATION_BLOCK, MODEL_INPUT, Format, RowPart, Rows
 from llmtrain.data.records import IGNORE, SHAREGPT_ROLES, BadRecord
 from llmtrain.models import hf, vision
@@ -32,7 +32,7 @@ from llmtrain.models import hf, vision
 IMAGES, IMAGE = "images", "image"  # the columns of placeholder images, a list or one (TRL's names)
 
 
-def check(data_section: DataConfig, model_section: ModelConfig, lora_section: LoraConfig, sp_size: int) -> None:
+def check(data_section: DataConfig, model_section: ModelConfig, sp_size: int) -> None:
     """Set-up refusals of what does not work with a vision-language model.path (yet), each in one line;
     sp_size: parallel.sp_size."""
     if model_section.path is None or not vision.is_vision_type(hf.model_type(model_section.path)):
@@ -45,9 +45,6 @@ def check(data_section: DataConfig, model_section: ModelConfig, lora_section: Lo
                           "tokens, which are never trained); set data.train_on_prompt=false")
     if data_section.sources or data_section.format != "chat":
         raise ConfigError("data.format: a vision-language model.path trains on data.format=chat (one data.path)")
-    if lora_section.enabled:
-        raise ConfigError("lora.enabled: LoRA on a vision-language model is not supported yet; set "
-                          "lora.enabled=false")
     if sp_size > 1:
         raise ConfigError(f"parallel.sp_size={sp_size}: sequence parallelism splits text rows only, not a "
                           "vision-language model's; set parallel.sp_size=1")

@@ -45,7 +45,7 @@ def build_model(section: ModelConfig, config: PretrainedConfig, parallel: Parall
         vision.freeze(model, section.freeze)
     adapters = None
     if lora_section is not None:
-        model, adapters = lora.prepare(model, lora_section, seed)
+        model, adapters = lora.prepare(model, lora_section, seed, section.freeze)
     if frozen_next_to is not None:
         model.requires_grad_(False)
     n_params, params_line = sum(p.numel() for p in model.parameters()), lora.describe(model)

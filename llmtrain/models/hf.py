@@ -344,6 +344,18 @@ def _stored_names(config: PretrainedConfig, names, path: Path) -> tuple[dict[str
     return {n: on_disk[k] for n, k in stored.items() if k in on_disk}, stored
 
 
+def read_weights(config: PretrainedConfig, names, path: Path) -> dict[str, torch.Tensor]:
+    """{name: whole tensor} of the model's tensor `names` from model.path's safetensors, by the model's own names
+    (a vision-language model's stored layout mapped back as from_pretrained does); one process (the converter)."""
+    files, stored = _stored_names(config, names, path)
+    _check_complete(names, files, config)
+    out = {}
+    for file in set(files.values()):
+        with safe_open(file, framework="pt") as handle:
+            out.update({n: handle.get_tensor(stored[n]) for n, f in files.items() if f == file})
+    return out
+
+
 def _random_init(config: PretrainedConfig, seed: int) -> dict[str, torch.Tensor]:
     """model.config: the seeded init, made on rank 0 only (the same for any strategy and world size)."""
     torch.manual_seed(seed)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from llmtrain.config import ConfigError, LoraConfig
+from llmtrain.models import vision
 from llmtrain.models.dropout import KeyedDropout
 from llmtrain.models.names import ADAPTER, base_name, clean_name, is_adapter, is_trained_copy, peft_key
 from llmtrain.utils import hash_sampled
@@ -35,18 +36,21 @@ def _matches(name: str, key: str) -> bool:
     return name == key or name.endswith("." + key)
 
 
-def apply(model: nn.Module, section: LoraConfig) -> nn.Module:
+def apply(model: nn.Module, section: LoraConfig, frozen_parts: list[str] = ()) -> nn.Module:
     """Inject the adapters into the meta model (in place; the class stays the transformers one) and freeze
-    the base. Names that match nothing are a ConfigError listing what exists."""
+    the base. Names that match nothing are a ConfigError listing what exists. A vision-language model's
+    adapters go on the linear layers of the parts that train, those not in `frozen_parts` (model.freeze)."""
     import peft
 
     names = [n for n, _ in model.named_modules()]
-    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+    within = vision.adaptable(model, frozen_parts) if vision.wraps_vision(model) else \
+        [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    linear = sorted({n.rsplit(".", 1)[-1] for n in within})
     if isinstance(section.target_modules, list):
-        lost = [k for k in section.target_modules if not any(_matches(n, k) for n, m in model.named_modules()
-                                                               if isinstance(m, nn.Linear))]
+        lost = [k for k in section.target_modules if not any(_matches(n, k) for n in within)]
         if lost:
-            raise ConfigError(f"lora.target_modules: {lost} match no linear layer of the model; "
+            raise ConfigError(f"lora.target_modules: {lost} match no linear layer of the model"
+                              f"{' outside model.freeze' if vision.wraps_vision(model) else ''}; "
                               f"its linear layers are {linear} (or all-linear)")
     lost = [k for k in section.modules_to_save if not any(_matches(n, k) for n in names)]
     if lost:
@@ -61,7 +65,11 @@ def apply(model: nn.Module, section: LoraConfig) -> nn.Module:
                           "(tie_word_embeddings=true), which a trained copy would untie; leave it out, or untie the "
                           "base first (save it with tie_word_embeddings=false and its own lm_head.weight) and list "
                           "both embeddings")
-    model = peft.inject_adapter_in_model(peft_config(section), model, adapter_name=ADAPTER)
+    config = peft_config(section)
+    if vision.wraps_vision(model):  # by full name: PEFT's all-linear would adapt the vision tower too
+        config.target_modules = [n for n in within if section.target_modules == "all-linear"
+                                 or any(_matches(n, k) for k in section.target_modules)]
+    model = peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     keyed_dropout(model)
     if section.base_dtype == "bf16":
         cast = {}  # by parameter: tied embeddings stay one tensor
@@ -91,12 +99,13 @@ def _tied_embeddings(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if m is inp or m is out]
 
 
-def prepare(model: nn.Module, section: LoraConfig, seed: int) -> tuple[nn.Module, dict[str, torch.Tensor] | None]:
+def prepare(model: nn.Module, section: LoraConfig, seed: int,
+            frozen_parts: list[str] = ()) -> tuple[nn.Module, dict[str, torch.Tensor] | None]:
     """The meta model with adapters injected and their initial values ({name: full tensor}), or the model
-    unchanged and None when lora.enabled is off."""
+    unchanged and None when lora.enabled is off. frozen_parts: apply's."""
     if not section.enabled:
         return model, None
-    model = apply(model, section)
+    model = apply(model, section, frozen_parts)
     return model, initial_adapters(model, section, seed)
 
 

@@ -1,8 +1,9 @@
 """QLoRA's frozen base in 4-bit NF4 (torchao's NF4Tensor), as a converter of a LoRA model.
 
 Which weights (plan): every frozen linear weight inside the decoder blocks (LoRA's `base_layer`s, the block
-linears LoRA does not target, modules_to_save originals); never embeddings, norms, biases or the output layer,
-which stay in lora.base_dtype. It depends only on the model's shapes and the lora settings, never on the
+linears LoRA does not target, modules_to_save originals; a vision-language model's language model only: its
+vision tower and projector stay exact); never embeddings, norms, biases or the output layer, which stay in
+lora.base_dtype. It depends only on the model's shapes and the lora settings, never on the
 strategy or world size, so runs stay comparable across them.
 
 Format (QLoRA's, torchtune's defaults): one absmax scale per lora.nf4_block_size (64) weights, and those
@@ -48,6 +49,7 @@ from torch.distributed.tensor import DTensor
 
 from llmtrain import parallelize
 from llmtrain.config import ConfigError, LoraConfig
+from llmtrain.models import vision
 from llmtrain.models.hf import decoder_layers
 from llmtrain.models.names import base_name, clean_name
 from llmtrain.utils import release_freed_memory
@@ -105,8 +107,10 @@ def plan(model: nn.Module, section: LoraConfig) -> Plan:
 
 
 def _block_linear_weights(model: nn.Module) -> dict[str, nn.Parameter]:
-    """{clean name: weight} of the 2-D linear weights inside the decoder blocks."""
-    inside = {id(m) for layer in decoder_layers(model) for m in layer.modules()}
+    """{clean name: weight} of the 2-D linear weights inside the decoder blocks (a vision-language model's
+    language model only: its vision tower stays exact)."""
+    layers = vision.language_layers(model) if vision.wraps_vision(model) else decoder_layers(model)
+    inside = {id(m) for layer in layers for m in layer.modules()}
     return {clean_name(f"{name}.weight" if name else "weight"): m.weight for name, m in model.named_modules()
             if id(m) in inside and isinstance(m, nn.Linear) and m.weight.dim() == 2}
 

@@ -35,6 +35,11 @@ FAMILIES: dict[str, Parts] = {
                    "model.vision_tower.encoder.layers", "model.language_model.layers"),
     "qwen2_5_vl": Parts("model.visual", "model.visual.merger", "model.language_model", "model.visual.blocks",
                         "model.language_model.layers"),
+    "gemma3": Parts("model.vision_tower", "model.multi_modal_projector", "model.language_model",
+                    "model.vision_tower.encoder.layers", "model.language_model.layers"),
+    # SmolVLM is Idefics3's architecture under its own model_type (its processor needs torchvision).
+    **dict.fromkeys(("idefics3", "smolvlm"), Parts("model.vision_model", "model.connector", "model.text_model",
+                                                   "model.vision_model.encoder.layers", "model.text_model.layers")),
 }
 # model.freeze's choices: the parts a user may freeze.
 PART_NAMES = ("vision_tower", "projector", "language_model")
@@ -100,6 +105,20 @@ def freeze(model: nn.Module, frozen: list[str]) -> None:
     for q in model.parameters():
         if id(q) in ids:
             q.requires_grad_(False)
+
+
+def adaptable(model: nn.Module, frozen: list[str]) -> list[str]:
+    """LoRA on a vision-language model: the names of the linear layers it may adapt, those of the parts that
+    train (not in model.freeze: by default the projector and the language model), never the output layer."""
+    out = model.get_output_embeddings()
+    off = set().union(*(part_params(model, part) for part in frozen)) if frozen else set()
+    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and m is not out
+            and not any(id(q) in off for q in m.parameters())]
+
+
+def language_layers(model: nn.Module) -> list[nn.Module]:
+    """The language model's decoder layers (QLoRA quantizes theirs only: the vision tower stays exact)."""
+    return list(_module(model, parts(model).layers))
 
 
 def wrap_units(model: nn.Module) -> list[nn.Module]:

@@ -247,7 +247,7 @@ def export(run: Run, step_dir: str) -> list[Path]:
         if cfg.lora.enabled:
             return export_lib.export_lora(run.model, run.plan.strategy, env.device, Path(cfg.output_dir), step_dir,
                                           cfg.lora, cfg.model.path, run.model_config, run.tokenizer, dtype,
-                                          cfg.checkpoint.max_shard_size, wait)
+                                          cfg.checkpoint.max_shard_size, wait, run.processor)
         out = Path(cfg.output_dir) / "hf" / step_dir
         export_lib.export_hf(run.model, run.plan.strategy, env.device, out, run.model_config, run.tokenizer, dtype,
                              cfg.checkpoint.max_shard_size, wait, run.processor)

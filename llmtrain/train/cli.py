@@ -49,7 +49,7 @@ def setup(args: argparse.Namespace, config_cls: type[Config] = Config,
             print(line, flush=True)
     model_lib.check_paths(cfg.model, cfg.tokenizer.path)
     data.check(cfg.data)
-    vision_data.check(cfg.data, cfg.model, cfg.lora, cfg.parallel.sp_size)
+    vision_data.check(cfg.data, cfg.model, cfg.parallel.sp_size)
     device, _ = distributed.pick_device(cfg.distributed, distributed.local_rank_from_env())
     parallelize.check(cfg.parallel, distributed.world_size_from_env(), device.type)
     if cfg.parallel.sp_size > 1:

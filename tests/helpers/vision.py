@@ -12,7 +12,9 @@ from pathlib import Path
 
 import torch
 from transformers import (AutoModelForImageTextToText, AutoTokenizer, CLIPImageProcessorPil, CLIPVisionConfig,
-                          LlamaConfig, LlavaConfig, LlavaProcessor, Qwen2_5_VLConfig, Qwen2VLImageProcessorPil)
+                          Gemma3Config, Gemma3ImageProcessorPil, Gemma3Processor, Idefics3Config,
+                          Idefics3ImageProcessorPil, Idefics3Processor, LlamaConfig, LlavaConfig, LlavaProcessor,
+                          Qwen2_5_VLConfig, Qwen2VLImageProcessorPil)
 
 REPO = Path(__file__).resolve().parents[2]
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -31,8 +33,10 @@ def _template(begin: str, end: str, image: str) -> str:
             "{%- if add_generation_prompt %}{{- '" + begin + "assistant\\n' }}{%- endif %}")
 
 
-def _tokenizer(special: list[str]):
-    tok = AutoTokenizer.from_pretrained(REPO / "assets" / "tokenizer")
+def _tokenizer(special: list[str], named: dict[str, str] | None = None):
+    """The bundled tokenizer with the chat markers and a family's image tokens; `named`: tokens the processor
+    reads as the tokenizer's attributes (Gemma 3's boi_token, image_token...)."""
+    tok = AutoTokenizer.from_pretrained(REPO / "assets" / "tokenizer", extra_special_tokens=named or {})
     tok.add_special_tokens({"additional_special_tokens": special})
     return tok
 
@@ -81,9 +85,47 @@ def _qwen2_5_vl(path: Path):
     return config, processor
 
 
-FAMILIES = {"llava": _llava, "qwen2_5_vl": _qwen2_5_vl}
+def _gemma3(path: Path):
+    """Gemma 3 (image-text): a SigLIP tower without its pooling head, the projector's average pool to 2 x 2
+    soft tokens, a Gemma 3 decoder with a sliding-window layer; the processor's token_type_ids make the image
+    tokens attend both ways in training."""
+    tok = _tokenizer(["<|im_start|>", "<|im_end|>"], {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                                                      "image_token": "<image_soft_token>"})
+    text = dict(SHAPE, head_dim=16, vocab_size=len(tok), sliding_window=8, layer_types=["sliding_attention",
+                                                                                       "full_attention"],
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=16,
+                  patch_size=4, vision_use_head=False)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                          image_token_index=tok.image_token_id, boi_token_index=tok.boi_token_id,
+                          eoi_token_index=tok.eoi_token_id, tie_word_embeddings=False)
+    processor = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 16, "width": 16}),
+                                tokenizer=tok, image_seq_length=4,
+                                chat_template=_template("<|im_start|>", "<|im_end|>", "<start_of_image>"))
+    return config, processor
+
+
+def _idefics3(path: Path):
+    """Idefics3 (SmolVLM's architecture): a SigLIP-like tower, the connector's pixel shuffle (scale 2) and
+    projection, a Llama decoder; one 16 x 16 image each (no splitting), 4 image tokens."""
+    tok = _tokenizer(["<|im_start|>", "<|im_end|>", "<fake_token_around_image>", "<image>", "<global-img>",
+                      "<end_of_utterance>"])
+    text = dict(SHAPE, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=16,
+                  patch_size=4)
+    config = Idefics3Config(text_config=text, vision_config=vision, scale_factor=2,
+                            image_token_id=tok.convert_tokens_to_ids("<image>"), tie_word_embeddings=False)
+    processor = Idefics3Processor(
+        image_processor=Idefics3ImageProcessorPil(size={"longest_edge": 16}, max_image_size={"longest_edge": 16},
+                                                  do_image_splitting=False),
+        tokenizer=tok, image_seq_len=4, chat_template=_template("<|im_start|>", "<|im_end|>", "<image>"))
+    return config, processor
+
+
+FAMILIES = {"llava": _llava, "qwen2_5_vl": _qwen2_5_vl, "gemma3": _gemma3, "idefics3": _idefics3}
 # What each family's config needs to load (Qwen's processor is remote code here).
-TRUST_REMOTE_CODE = {"llava": False, "qwen2_5_vl": True}
+TRUST_REMOTE_CODE = {"llava": False, "qwen2_5_vl": True, "gemma3": False, "idefics3": False}
 
 
 def make_vlm(family: str, path: Path, seed: int = 0) -> Path:

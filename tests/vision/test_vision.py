@@ -4,6 +4,7 @@ tower, the export with its processor."""
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import typing
@@ -20,8 +21,9 @@ from llmtrain.data import vision as vision_data
 from llmtrain.data.formats import IGNORE, MODEL_INPUT, model_inputs
 from llmtrain.data.sampling import GlobalOrderSampler
 from llmtrain.losses.token import token_loss_sum
+from llmtrain.models.vision import FAMILIES as VISION_FAMILIES
 
-FAMILIES = ["llava", "qwen2_5_vl"]
+FAMILIES = ["llava", "qwen2_5_vl", "gemma3", "idefics3"]
 SEED, STEPS, GLOBAL = 7, 3, 4
 RUN = """\
 data:
@@ -144,13 +146,13 @@ def test_image_data_for_a_text_only_model_is_a_bad_record_saying_so(assets):
 
 
 def test_packing_and_a_sequence_split_are_refused_in_one_line(assets):
-    from llmtrain.config import LoraConfig, ModelConfig
+    from llmtrain.config import ModelConfig
 
     llava = ModelConfig(path=str(assets / "llava"))
     with pytest.raises(ConfigError, match="data.packing: rows with images are padded, not packed"):
-        vision_data.check(DataConfig(format="chat", packing=True), llava, LoraConfig(), 1)
+        vision_data.check(DataConfig(format="chat", packing=True), llava, 1)
     with pytest.raises(ConfigError, match="parallel.sp_size=2: sequence parallelism splits text rows only"):
-        vision_data.check(DataConfig(format="chat", packing=False), llava, LoraConfig(), 2)
+        vision_data.check(DataConfig(format="chat", packing=False), llava, 2)
 
 
 SPLITS = {  # name -> (ranks, overrides): the global batch of 4 split every way
@@ -161,20 +163,30 @@ SPLITS = {  # name -> (ranks, overrides): the global batch of 4 split every way
 }
 
 
+# LoRA (model.freeze's default: adapters on the projector and the language model) and QLoRA (an NF4 language
+# model) on 2 fsdp2 ranks, both exports.
+ADAPTERS = {
+    ("qwen2_5_vl", "lora"): (2, ["parallel.strategy=fsdp2", "train.micro_batch_size=1", "lora.enabled=true",
+                                 "lora.export=both"]),
+    ("llava", "qlora"): (2, ["parallel.strategy=fsdp2", "train.micro_batch_size=1", "lora.enabled=true",
+                             "lora.export=both", "lora.quantize_base=nf4"]),
+}
+
+
 @pytest.fixture(scope="module")
 def runs(assets) -> dict[tuple[str, str], Path]:
-    """Every family x split, two at a time."""
+    """Every family x split, and ADAPTERS' runs, two at a time."""
     config = assets / "run.yaml"
     config.write_text(RUN.format(data=assets / "data" / "train.jsonl", steps=STEPS, seed=SEED))
+    jobs = {**{(family, split): run for family in FAMILIES for split, run in SPLITS.items()}, **ADAPTERS}
     out, running = {}, []
-    for family in FAMILIES:
-        for split, (nproc, overrides) in SPLITS.items():
-            if len(running) == 2:
-                finish_recipe(running.pop(0))
-            out[family, split] = assets / "runs" / f"{family}-{split}"
-            running.append(start_recipe(out[family, split], f"model.path={assets / family}",
-                                        f"model.trust_remote_code={str(TRUST_REMOTE_CODE[family]).lower()}",
-                                        *overrides, nproc=nproc, config=config))
+    for (family, split), (nproc, overrides) in jobs.items():
+        if len(running) == 2:
+            finish_recipe(running.pop(0))
+        out[family, split] = assets / "runs" / f"{family}-{split}"
+        running.append(start_recipe(out[family, split], f"model.path={assets / family}",
+                                    f"model.trust_remote_code={str(TRUST_REMOTE_CODE[family]).lower()}",
+                                    *overrides, nproc=nproc, config=config))
     for proc in running:
         finish_recipe(proc)
     return out
@@ -207,9 +219,9 @@ def test_losses_match_from_pretrained_and_every_split(assets, runs, family):
 
 
 @pytest.mark.slow
-def test_resume_two_ranks_to_one_is_exact(assets, runs, capsys):
+def test_resume_two_ranks_to_one_is_exact(assets, runs):
     """fsdp2 on 2 ranks checkpointed at step 2, resumed by 1 process without a wrapper: step 3's loss and the
-    export are the uninterrupted run's. (convert refuses the checkpoint in one line: it has no frozen tower.)"""
+    export are the uninterrupted run's."""
     out, running = {}, []
     for family in FAMILIES:
         out[family] = assets / "runs" / f"{family}-resumed"
@@ -219,10 +231,6 @@ def test_resume_two_ranks_to_one_is_exact(assets, runs, capsys):
                                     "eval.every_steps=0", config=assets / "run.yaml"))
     for proc in running:
         finish_recipe(proc)
-    from llmtrain import convert
-
-    assert convert.main([str(runs["llava", "fsdp2"] / "checkpoints" / "step_2"), str(assets / "converted")]) == 2
-    assert "convert does not write its export yet" in capsys.readouterr().err
     for family in FAMILIES:
         assert list(losses_by_step(out[family])) == [3]
         assert losses_by_step(out[family])[3] == pytest.approx(losses_by_step(runs[family, "none"])[3], abs=1e-5)
@@ -255,6 +263,71 @@ def test_frozen_tower_and_export(assets, runs, family):
         assert sum(s for s, _ in sums) / sum(n for _, n in sums) == pytest.approx(val, abs=1e-5), split
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family, split", [("llava", "fsdp2"), ("qwen2_5_vl", "fsdp2"), ("llava", "qlora")])
+def test_convert_writes_the_runs_export_with_its_processor(assets, runs, tmp_path, family, split):
+    """`python -m llmtrain.convert` of the last checkpoint, which holds the trained weights only (the frozen
+    vision tower, or QLoRA's base, come from the run's model.path), writes the run's own exports: the same
+    tensors and the processor files (Qwen's processor code included), loaded by AutoProcessor."""
+    from safetensors.torch import load_file
+
+    from llmtrain import convert
+
+    run = runs[family, split]
+    assert convert.main([str(run / "checkpoints" / f"step_{STEPS}"), str(tmp_path / "out")]) == 0
+    # OUT is the export itself, or a LoRA run's adapter/ and hf/ beside each other as in output_dir
+    files = ["adapter/adapter_model.safetensors", "hf/model.safetensors"] if split == "qlora" else ["model.safetensors"]
+    for name in files:
+        written, exported = load_file(tmp_path / "out" / name), load_file(run / ("" if "/" in name else "hf") / name)
+        assert written.keys() == exported.keys(), name
+        for key, tensor in exported.items():
+            torch.testing.assert_close(written[key], tensor, rtol=0, atol=1e-6, msg=key)
+    want = processor(assets, family)
+    proc = AutoProcessor.from_pretrained(tmp_path / "out" / Path(files[-1]).parent,
+                                         trust_remote_code=TRUST_REMOTE_CODE[family])
+    assert type(proc).__name__ == type(want).__name__ and proc.chat_template == want.chat_template
+    assert proc.image_processor.to_dict() == want.image_processor.to_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, kind", ADAPTERS)
+def test_adapters_load_on_the_base_with_peft_and_give_the_merged_export(assets, runs, family, kind):
+    """adapter/ (PEFT) loaded on the original base gives the merged hf/ export's logits on a batch with images
+    (QLoRA: on the base as its NF4 round trip, what the adapters trained on); the adapters sit on the projector
+    and the language model only, the vision tower of hf/ is the original's bit for bit, and (QLoRA) only the
+    language model's block linears were quantized."""
+    from peft import PeftModel
+
+    from llmtrain.config import load_config
+    from llmtrain.models import lora, nf4, vision
+    from llmtrain.models.hf import build_meta_model
+
+    run = runs[family, kind]
+    assert losses_by_step(run)[STEPS] < losses_by_step(run)[1]
+    merged = AutoModelForImageTextToText.from_pretrained(run / "hf", dtype=torch.float32).eval()
+    base = AutoModelForImageTextToText.from_pretrained(assets / family, dtype=torch.float32)
+    original = base.state_dict()
+    adapted = json.loads((run / "adapter" / "adapter_config.json").read_text())["target_modules"]
+    p = vision.parts(base)
+    assert any(m.startswith(p.projector) for m in adapted) and any(m.startswith(p.language) for m in adapted)
+    assert not any(m.startswith(p.tower) and not m.startswith(p.projector) for m in adapted)
+    if kind == "qlora":
+        cfg = load_config(run / "config.yaml")
+        rounded = nf4.round_trip(original, lora.apply(build_meta_model(base.config, cfg.model), cfg.lora,
+                                                      cfg.model.freeze), cfg.lora)
+        changed = {k for k in original if not torch.equal(rounded[k], original[k])}
+        assert changed and all(k.startswith(p.layers) for k in changed), sorted(changed)
+        base.load_state_dict(rounded)
+    tower = vision.part_params(merged, "vision_tower")
+    for name, q in merged.named_parameters():
+        if id(q) in tower:
+            assert torch.equal(q, original[name]), name
+    adapter = PeftModel.from_pretrained(base, run / "adapter").eval()
+    batch = model_inputs(vision_data.collate(encoded(assets, family)[:4], processor(assets, family)))
+    with torch.no_grad():
+        torch.testing.assert_close(adapter(**batch).logits, merged(**batch).logits, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_generate_image_matches_transformers(assets, family, capsys):
     """`python -m llmtrain.tools.generate --image` prints transformers' greedy answer about the image; a text-only
@@ -276,3 +349,69 @@ def test_generate_image_matches_transformers(assets, family, capsys):
     assert printed == proc.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
     assert generate.main(["--model", str(model_dir), "--image", "gone.png", "--prompt", "x"]) == 2
     assert "--image gone.png: no such file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", sorted(VISION_FAMILIES))
+def test_registry_names_modules_of_each_family(family):
+    """Every FAMILIES entry names modules its transformers class has (SmolVLM, whose processor needs torchvision,
+    is Idefics3's layout under its own model_type: checked here on its meta model only)."""
+    from accelerate import init_empty_weights
+    from transformers import SmolVLMConfig
+
+    from helpers.vision import FAMILIES as MAKERS
+    from llmtrain.models import vision
+
+    if family == "smolvlm":
+        tiny = MAKERS["idefics3"](None)[0].to_dict()
+        config = SmolVLMConfig(text_config=tiny["text_config"], vision_config=tiny["vision_config"], scale_factor=2)
+    else:
+        config = MAKERS[family](None)[0]
+    with init_empty_weights():
+        model = AutoModelForImageTextToText.from_config(config)
+    assert vision.is_vision(model.config) and model.config.model_type == family
+    p = vision.parts(model)
+    for path in (p.tower, p.projector, p.language, p.blocks, p.layers):
+        model.get_submodule(path)
+    units = vision.wrap_units(model)
+    assert len({id(m) for m in units}) == len(units)
+    every = {id(q) for q in model.parameters()}
+    parts = [vision.part_params(model, part) for part in vision.PART_NAMES]
+    assert set().union(*parts) == every and sum(map(len, parts)) == len(every)  # the parts cover it, once each
+
+
+def _counted(forward, calls: collections.Counter, key: int, *args, **kwargs):
+    calls.update([key])
+    return forward(*args, **kwargs)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])  # the others' blocks are the same transformers layers
+def test_activation_checkpointing_recomputes_both_towers_with_the_same_loss_and_grads(assets, family):
+    """parallel.activation_checkpointing (as parallelize applies it) on a model training all its parts: every
+    block of the vision tower and of the language model runs again in backward, and the loss and every gradient
+    (the vision blocks' included) are those of the model without it."""
+    from llmtrain import parallelize
+    from llmtrain.models import vision
+
+    batch = vision_data.collate(encoded(assets, family)[:2], processor(assets, family))
+    results = {}
+    for checkpointed in (False, True):
+        model = AutoModelForImageTextToText.from_pretrained(assets / family, dtype=torch.float32).train()
+        if checkpointed:
+            parallelize.apply_activation_checkpointing(model)
+        towers = {"vision": list(model.get_submodule(vision.parts(model).blocks)),
+                  "language": vision.language_layers(model)}
+        calls = collections.Counter()
+        for block in [*towers["vision"], *towers["language"]]:  # counted inside: a recompute runs no module hooks
+            block.mlp.forward = functools.partial(_counted, block.mlp.forward, calls, id(block.mlp))
+        loss = token_loss_sum(model(**model_inputs(batch), use_cache=False).logits, batch["labels"])
+        loss.backward()
+        assert all(q.grad is not None for block in towers["vision"] for q in block.parameters())
+        results[checkpointed] = (loss.detach(), {n: q.grad for n, q in model.named_parameters()},
+                                 {part: [calls[id(b.mlp)] for b in blocks] for part, blocks in towers.items()})
+    (plain, plain_grads, plain_calls), (ac, ac_grads, ac_calls) = results[False], results[True]
+    assert (plain_calls, ac_calls) == ({"vision": [1, 1], "language": [1, 1]}, {"vision": [2, 2], "language": [2, 2]})
+    torch.testing.assert_close(ac, plain, rtol=0, atol=1e-6)
+    for name, grad in plain_grads.items():
+        assert (ac_grads[name] is None) == (grad is None), name
+        if grad is not None:
+            torch.testing.assert_close(ac_grads[name], grad, rtol=0, atol=1e-6, msg=name)
