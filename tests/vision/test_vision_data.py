@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from helpers.vision import make_images_data, make_vlm
-from llmtrain.config import ConfigError, DataConfig, LoraConfig, ModelConfig
+from llmtrain.config import ConfigError, DataConfig, ModelConfig
 from llmtrain.data import StreamingRows, StreamSteps, build
 from llmtrain.data import vision as vision_data
 
@@ -129,7 +129,7 @@ def test_streamed_rows_are_the_map_rows_and_collate_with_their_images(assets, so
         save_image_dataset(assets, "saved-stream", as_bytes=True)
     proc = processor(assets)
     section = DataConfig(path=str(path), streaming=True, **SECTION)
-    vision_data.check(section, ModelConfig(path=str(assets / "llava")), LoraConfig(), 1)  # not refused
+    vision_data.check(section, ModelConfig(path=str(assets / "llava")), 1)  # not refused
     rows = list(StreamingRows(section, proc.tokenizer, 0, 0, 1, proc).rows(0))
     assert Counter(tokens(rows)) == Counter(tokens(built_rows(assets, assets / "data" / "train.jsonl")))
     assert all(len(r[vision_data.IMAGES]) == 1 for r in rows)
