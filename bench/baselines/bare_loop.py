@@ -9,7 +9,8 @@ the tokenizer's size, as llmtrain does), data.seq_len, train.micro_batch_size, t
 train.seed and parallel.strategy. One fixed random token batch per rank is reused every step.
 Timed on rank 0 between barriers: the steps after --warmup, and windows of --every steps.
 With --reward it is the floor of bench/run.py's reward benchmark: a one-score sequence classifier on
-micro-batch pairs of random rows of --length tokens (chosen rows, then rejected), the Bradley-Terry loss.
+micro-batch pairs of random rows of --length tokens (chosen rows, then rejected), the Bradley-Terry loss, a fused
+AdamW (what both sides of that benchmark use).
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def main() -> None:
 
         model = DDP(model)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    # the reward floor's AdamW is fused, as the recipes' and TRL's default (adamw_torch_fused) are
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=args.reward or None)
     rows = 2 * micro if args.reward else micro  # a pair is two rows
     batch = torch.randint(int(args.reward), vocab, (rows, seq), generator=torch.Generator().manual_seed(seed + rank))
 
