@@ -35,6 +35,8 @@
 #      parallel.sp_size 1, 2, 4, 8 on as many GPUs (those the node has), and sp_size 1 with
 #      train.activation_offloading; tokens/s and peak memory per GPU in the table (docs/long-context.md: memory
 #      arithmetic of configs/llama3.2-1b-32k-sp.yaml)
+#   GPU work not done yet: ring attention (a `parallel.sp_backend=ring` beside Ulysses' all-to-all), for
+#      sequence groups larger than the attention heads; not implemented (docs/long-context.md, Limits).
 #
 # SECTIONS picks what runs (default all): e.g. SECTIONS="engines" bash bench/gpu.sh for the engines alone;
 # SECTIONS=longctx bash bench/gpu.sh on an 8-GPU node for the long-context rows.

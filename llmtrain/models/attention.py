@@ -8,8 +8,9 @@ of the attention work (4 chunks) not done. On CPU it also hands grouped key/valu
 as they are (enable_gqa), where transformers copies them out per query head once a mask is given.
 Unmasked (unpacked) input, or a query shorter than its keys (a KV cache), goes to transformers' sdpa.
 
-Under parallel.sp_size > 1 the same kernel runs inside Ulysses' all-to-alls (llmtrain.models.ulysses) while a
-sequence split is active.
+Rows longer than 4 x CHUNK_ROWS get a chunk per CHUNK_ROWS queries, so that no S x S mask is ever needed:
+under parallel.sp_size > 1 the same kernel runs inside Ulysses' all-to-alls (llmtrain.models.ulysses) while a
+sequence split is active, each chunk's mask built from the whole rows' segments.
 
 model.attn_implementation=sdpa selects it (as `NAME`, a name only this process knows: transformers
 does not write the attention implementation into an exported config.json).
@@ -28,6 +29,7 @@ from llmtrain.models import ulysses
 
 NAME = ulysses.KERNEL
 CHUNKS = 4
+CHUNK_ROWS = 1024  # longer rows get more chunks: a chunk's mask (and the kernel's copy of it) stays small
 
 
 def chunked_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -37,21 +39,29 @@ def chunked_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
     if attention_mask is None or attention_mask.dim() != 4 or key.shape[2] != length or length < 2 * CHUNKS:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    return blockwise_sdpa(query, key, value, lambda a, b: attention_mask[:, :, a:b, :b], dropout, scaling), None
+
+
+def blockwise_sdpa(query, key, value, mask_block, dropout: float, scaling) -> torch.Tensor:
+    """chunked_sdpa's kernel: SDPA on slices of the queries, each against the keys up to the slice's end, under
+    mask_block(a, b) ([batch, 1|heads, b - a, b] bool) for the query slice a:b; -> [batch, q_len, heads, dim]."""
+    length = query.shape[2]
     groups = query.shape[1] // key.shape[1]
     if groups > 1 and query.device.type != "cpu":  # CUDA's masked kernels take no GQA (math fallback)
         key, value, groups = repeat_kv(key, groups), repeat_kv(value, groups), 1
-    bounds = [length * i // CHUNKS for i in range(CHUNKS + 1)]
+    chunks = min(length, max(CHUNKS, -(-length // CHUNK_ROWS)))
+    bounds = [length * i // chunks for i in range(chunks + 1)]
     outs = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, :b], value[:, :, :b],
-                                           attn_mask=attention_mask[:, :, a:b, :b], dropout_p=dropout,
-                                           scale=scaling, enable_gqa=groups > 1)
+                                           attn_mask=mask_block(a, b), dropout_p=dropout, scale=scaling,
+                                           enable_gqa=groups > 1)
             for a, b in zip(bounds, bounds[1:])]
-    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
 
 
 def attend(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """What NAME runs: chunked_sdpa, over the whole sequence's positions when a sequence split is active."""
+    """What NAME runs: chunked_sdpa; under a sequence split, blockwise_sdpa over the whole sequence's positions."""
     if ulysses.active() is not None:
-        return ulysses.attention(chunked_sdpa, module, query, key, value, dropout, scaling, **kwargs)
+        return ulysses.attention(blockwise_sdpa, query, key, value, dropout, scaling)
     return chunked_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 

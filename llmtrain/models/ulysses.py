@@ -67,7 +67,7 @@ class Split(NamedTuple):
     position_ids: torch.Tensor  # [B, S / sp]
     targets: torch.Tensor       # [B, S / sp] next-token targets (shifted on the whole row), IGNORE on the pads
     group: dist.ProcessGroup | None = None
-    mask: torch.Tensor | None = None  # [B, 1, S, S] bool: the whole rows' block-causal mask
+    segments: torch.Tensor | None = None  # [B, S] the whole rows' segment ids (packed examples, the pads)
     start: int = 0                    # the slice's first position in its rows
     trained: torch.Tensor | None = None  # [B, S] bool: the whole (padded) rows' trained positions
 
@@ -103,14 +103,19 @@ def active() -> Split | None:
     return _active
 
 
-def segments_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """[B, 1, S, S] bool: causal within each run of consecutive position ids (a packed row's examples, the
+def segment_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B, S]: the number of each position's run of consecutive position ids (a packed row's examples, the
     pads), as transformers reads packed rows from their position ids."""
     starts = F.pad(position_ids[:, 1:] - position_ids[:, :-1] != 1, (1, 0), value=False)
-    seg = starts.cumsum(1)
-    length = position_ids.shape[1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
-    return ((seg[:, :, None] == seg[:, None, :]) & causal)[:, None]
+    return starts.cumsum(1)
+
+
+def block_mask(segments: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """[B, 1, b - a, b] bool: the block-causal mask of queries a:b over keys :b (causal within each segment);
+    built a block at a time, the whole S x S mask never is."""
+    queries = torch.arange(a, b, device=segments.device)[:, None]
+    causal = queries >= torch.arange(b, device=segments.device)[None, :]
+    return ((segments[:, a:b, None] == segments[:, None, :b]) & causal)[:, None]
 
 
 @contextlib.contextmanager
@@ -132,7 +137,7 @@ def split(group: dist.ProcessGroup | None, input_ids: torch.Tensor, position_ids
     part = input_ids.shape[1] // size
     cut = slice(rank * part, (rank + 1) * part)
     with _activated(Split(input_ids[:, cut], position_ids[:, cut], targets[:, cut], group,
-                          segments_mask(position_ids), rank * part, targets != ignore)) as active_split:
+                          segment_ids(position_ids), rank * part, targets != ignore)) as active_split:
         yield active_split
 
 
@@ -242,14 +247,14 @@ def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return out.permute(1, 2, 0, 3, 4).reshape(b, s // size, size * h, d)
 
 
-def attention(kernel, module, query, key, value, dropout_p: float = 0.0, scaling=None, **kwargs):
+def attention(kernel, query, key, value, dropout_p: float = 0.0, scaling=None):
     """transformers' attention call for the active split: query [B, H, S/sp, D], key/value [B, KV, S/sp, D] ->
-    ([B, S/sp, H, D], None), by `kernel` (an attention function of transformers' signature) over all S
-    positions for this rank's heads, under the whole rows' mask."""
+    ([B, S/sp, H, D], None), by `kernel` (models.attention.blockwise_sdpa) over all S positions for this rank's
+    heads, under the whole rows' block-causal mask (block_mask)."""
     s = _active
     size = dist.get_world_size(s.group)
     if key.shape[1] % size:  # fewer key/value heads than ranks: rank r's query heads use kv head r * KV // sp
         key, value = repeat_kv(key, size // key.shape[1]), repeat_kv(value, size // value.shape[1])
     q, k, v = (seq_to_heads(t, s.group) for t in (query, key, value))
-    out, _ = kernel(module, q, k, v, s.mask, dropout=dropout_p, scaling=scaling, **kwargs)
+    out = kernel(q, k, v, lambda a, b: block_mask(s.segments, a, b), dropout_p, scaling)
     return heads_to_seq(out, s.group), None

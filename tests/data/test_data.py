@@ -136,8 +136,10 @@ def test_packed_document_sees_only_itself(tok, attn):
     torch.testing.assert_close(packed[len(a):len(a) + len(b)], alone_b, atol=1e-5, rtol=1e-5)
 
 
-def test_chunked_sdpa_matches_sdpa_on_packed_rows(tok):
+@pytest.mark.parametrize("chunk_rows", [1024, 5])  # 37 positions: 4 chunks, and 8 (one per 5 rows: long rows)
+def test_chunked_sdpa_matches_sdpa_on_packed_rows(tok, monkeypatch, chunk_rows):
     """The query chunks of llmtrain's sdpa give transformers' sdpa numbers, forward and backward."""
+    monkeypatch.setattr(attention, "CHUNK_ROWS", chunk_rows)
     texts = ["the red ball is here", "three plus four is seven", "a cat", "the blue box is big and red"]
     examples = [(ids, ids, True) for ids in (tok(t)["input_ids"] for t in texts * 3)]
     rows, _ = to_rows(examples, 37, tok.pad_token_id, packing=True)  # 37: uneven chunks

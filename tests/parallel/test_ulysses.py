@@ -75,7 +75,9 @@ def test_mask_is_causal_within_each_run_of_positions():
     pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])
     seg = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2])
     want = (seg[:, None] == seg[None, :]) & torch.ones(8, 8, dtype=torch.bool).tril()
-    assert torch.equal(ulysses.segments_mask(pos)[0, 0], want)
+    seg = ulysses.segment_ids(pos)
+    assert torch.equal(ulysses.block_mask(seg, 0, 8)[0, 0], want)
+    assert torch.equal(ulysses.block_mask(seg, 3, 6)[0, 0], want[3:6, :6])  # a block: queries 3:6, keys :6
 
 
 @pytest.mark.slow
