@@ -8,9 +8,10 @@ of the attention work (4 chunks) not done. On CPU it also hands grouped key/valu
 as they are (enable_gqa), where transformers copies them out per query head once a mask is given.
 Unmasked (unpacked) input, or a query shorter than its keys (a KV cache), goes to transformers' sdpa.
 
-Rows longer than 4 x CHUNK_ROWS get a chunk per CHUNK_ROWS queries, so that no S x S mask is ever needed:
-under parallel.sp_size > 1 the same kernel runs inside Ulysses' all-to-alls (llmtrain.models.ulysses) while a
-sequence split is active, each chunk's mask built from the whole rows' segments.
+Packed rows longer than 4 x CHUNK_ROWS go by example instead (segmented_sdpa: is_causal within each, no mask:
+given one, the kernel keeps an fp32 copy of it per layer for the backward pass, quadratic in the row). Under
+parallel.sp_size > 1 the same kernels run inside Ulysses' all-to-alls (llmtrain.models.ulysses) while a sequence
+split is active, from the whole rows' segments; the whole S x S mask is never built.
 
 model.attn_implementation=sdpa selects it (as `NAME`, a name only this process knows: transformers
 does not write the attention implementation into an exported config.json).
@@ -58,10 +59,41 @@ def blockwise_sdpa(query, key, value, mask_block, dropout: float, scaling) -> to
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
 
 
+def segmented_sdpa(query, key, value, segments: torch.Tensor, dropout: float, scaling) -> torch.Tensor:
+    """Long packed rows: SDPA with is_causal over each run of `segments` ([batch, q_len]: a packed row's examples)
+    on its own, so no mask exists at all (a kernel given a mask keeps an fp32 copy of it for the backward pass,
+    in every layer: quadratic in the row); -> [batch, q_len, heads, dim]. What a varlen flash kernel does."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1 and query.device.type != "cpu":
+        key, value, groups = repeat_kv(key, groups), repeat_kv(value, groups), 1
+    rows = []
+    for r in range(query.shape[0]):
+        bounds = [0, *torch.unique_consecutive(segments[r], return_counts=True)[1].cumsum(0).tolist()]
+        rows.append(torch.cat([F.scaled_dot_product_attention(
+            query[r:r + 1, :, a:b], key[r:r + 1, :, a:b], value[r:r + 1, :, a:b], dropout_p=dropout, is_causal=True,
+            scale=scaling, enable_gqa=groups > 1) for a, b in zip(bounds, bounds[1:])], dim=2))
+    return torch.cat(rows).transpose(1, 2).contiguous()
+
+
+def whole_rows_sdpa(query, key, value, segments: torch.Tensor, dropout: float, scaling) -> torch.Tensor:
+    """The kernel over whole packed rows of segments [batch, length]: by segment past 4 x CHUNK_ROWS positions,
+    by query chunks under block masks below (where the masks are small and fewer calls are faster)."""
+    if query.shape[2] > 4 * CHUNK_ROWS:
+        return segmented_sdpa(query, key, value, segments, dropout, scaling)
+    return blockwise_sdpa(query, key, value, lambda a, b: ulysses.block_mask(segments, a, b), dropout, scaling)
+
+
 def attend(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """What NAME runs: chunked_sdpa; under a sequence split, blockwise_sdpa over the whole sequence's positions."""
+    """What NAME runs: chunked_sdpa; on packed rows past 4 x CHUNK_ROWS positions, segmented_sdpa by the
+    examples' position ids; under a sequence split, whole_rows_sdpa over the whole sequence's positions."""
     if ulysses.active() is not None:
-        return ulysses.attention(blockwise_sdpa, query, key, value, dropout, scaling)
+        return ulysses.attention(whole_rows_sdpa, query, key, value, dropout, scaling)
+    positions, length = kwargs.get("position_ids"), query.shape[2]
+    if (length > 4 * CHUNK_ROWS and attention_mask is not None and attention_mask.dim() == 4
+            and positions is not None and key.shape[2] == length and kwargs.get("sliding_window") is None):
+        # transformers built this mask from the position ids alone (training rows carry no padding mask; a
+        # left-padded prompt's pads are runs of their own): the same attention, without the mask
+        return segmented_sdpa(query, key, value, ulysses.segment_ids(positions), dropout, scaling), None
     return chunked_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 

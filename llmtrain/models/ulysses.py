@@ -249,12 +249,12 @@ def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 def attention(kernel, query, key, value, dropout_p: float = 0.0, scaling=None):
     """transformers' attention call for the active split: query [B, H, S/sp, D], key/value [B, KV, S/sp, D] ->
-    ([B, S/sp, H, D], None), by `kernel` (models.attention.blockwise_sdpa) over all S positions for this rank's
-    heads, under the whole rows' block-causal mask (block_mask)."""
+    ([B, S/sp, H, D], None), by `kernel` (models.attention.whole_rows_sdpa) over all S positions for this rank's
+    heads, causal within the whole rows' segments."""
     s = _active
     size = dist.get_world_size(s.group)
     if key.shape[1] % size:  # fewer key/value heads than ranks: rank r's query heads use kv head r * KV // sp
         key, value = repeat_kv(key, size // key.shape[1]), repeat_kv(value, size // value.shape[1])
     q, k, v = (seq_to_heads(t, s.group) for t in (query, key, value))
-    out = kernel(q, k, v, lambda a, b: block_mask(s.segments, a, b), dropout_p, scaling)
+    out = kernel(q, k, v, s.segments, dropout_p, scaling)
     return heads_to_seq(out, s.group), None

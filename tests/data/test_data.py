@@ -136,7 +136,7 @@ def test_packed_document_sees_only_itself(tok, attn):
     torch.testing.assert_close(packed[len(a):len(a) + len(b)], alone_b, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("chunk_rows", [1024, 5])  # 37 positions: 4 chunks, and 8 (one per 5 rows: long rows)
+@pytest.mark.parametrize("chunk_rows", [1024, 5])  # 37 positions: 4 query chunks; past 4 x 5: by example (long rows)
 def test_chunked_sdpa_matches_sdpa_on_packed_rows(tok, monkeypatch, chunk_rows):
     """The query chunks of llmtrain's sdpa give transformers' sdpa numbers, forward and backward."""
     monkeypatch.setattr(attention, "CHUNK_ROWS", chunk_rows)
@@ -160,6 +160,24 @@ def test_chunked_sdpa_matches_sdpa_on_packed_rows(tok, monkeypatch, chunk_rows):
     assert cfg.model.attn_implementation == "sdpa"
     built = model_lib.build_meta_model(model_lib.load_model_config(cfg.model, tok), cfg.model)
     assert built.model.layers[0].self_attn.config._attn_implementation == attention.NAME
+
+
+def test_long_packed_rows_keep_no_mask_for_the_backward_pass(tok, monkeypatch):
+    """Given a mask, SDPA keeps an fp32 copy of it per layer for the backward pass (quadratic in the row); rows
+    past 4 x CHUNK_ROWS are attended example by example under is_causal: nothing of [positions x positions]."""
+    length = 48
+    pos = torch.cat([torch.arange(n) for n in (20, 17, 11)])[None]
+    ids = torch.randint(0, len(tok), (1, length), generator=torch.Generator().manual_seed(0))
+    saved = []
+
+    def forward_saves(chunk_rows: int) -> list[tuple]:
+        monkeypatch.setattr(attention, "CHUNK_ROWS", chunk_rows)
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+            small_llama(tok, attention.NAME)(input_ids=ids, position_ids=pos, use_cache=False)
+        return [s for s in saved if len(s) == 4 and s[-1] > 8]  # [.., queries, keys], not [.., positions, head_dim 8]
+    assert forward_saves(1024)  # 4 query chunks under masks: kept for the backward pass
+    assert forward_saves(8) == []
 
 
 def positions(n: int, world: int, seed: int, start: int, count: int) -> list[list[int]]:

@@ -85,9 +85,10 @@ def test_split_loss_and_gradients_equal_the_whole_rows(tmp_path):
     res = launch([REPO / "tests" / "scripts" / "ulysses_grads.py", tmp_path / "g.json"], nproc=2, timeout=240)
     assert res.returncode == 0, res.stderr[-4000:]
     results = json.loads((tmp_path / "g.json").read_text())
-    kinds = {"packed/64", "padded/63", "recompute/64"}
+    kinds = {"packed/64", "padded/63", "by_example/64", "recompute/64"}
     assert set(results) == {f"{f}/{loss}{i}/{k}" for f in ("llama", "qwen3") for loss in ("", "logps/")
-                            for i in ("full", "chunked") for k in kinds if i == "chunked" or k != "recompute/64"}
+                            for i in ("full", "chunked") for k in kinds if i == "chunked" or k in kinds - {
+                                "by_example/64", "recompute/64"}}
     for case, got in results.items():
         whole, split = got["loss"]
         assert split == pytest.approx(whole, rel=TOL), case

@@ -75,7 +75,9 @@ for family, make in FAMILIES.items():
     model = AutoModelForCausalLM.from_config(config).train()  # train mode: layers checkpoint only when training
     cases = [(impl, length, packed) for impl in ("full", "chunked") for length, packed in ((64, True), (63, False))]
     losses = {"": lambda model, token_loss, batch: token_loss.loss_sum(model, batch), "logps/": logps_loss}
-    for impl, length, packed in cases + [("chunked", 64, "recompute")]:
+    for impl, length, packed in cases + [("chunked", 64, "by_example"), ("chunked", 64, "recompute")]:
+        # by_example: rows past 4 x CHUNK_ROWS positions are attended example by example (attention.segmented_sdpa)
+        attention.CHUNK_ROWS = 8 if packed == "by_example" else 1024
         if packed == "recompute":
             apply_activation_checkpointing(model)
         batch = rows(length, packed is not False)
@@ -83,7 +85,7 @@ for family, make in FAMILIES.items():
             whole = loss_and_grads(model, TokenLoss(impl, model, torch.device("cpu")), batch, loss_of)
             split = loss_and_grads(model, TokenLoss(impl, model, torch.device("cpu"), sp_group=group), batch, loss_of)
             rel = max(((a - b).abs().max() / a.abs().max()).item() for a, b in zip(whole[1], split[1]))
-            kind = "recompute" if packed == "recompute" else "packed" if packed else "padded"
+            kind = packed if packed in ("recompute", "by_example") else "packed" if packed else "padded"
             results[f"{family}/{name}{impl}/{kind}/{length}"] = {"loss": [whole[0], split[0]], "grad_rel": rel}
 if dist.get_rank() == 0:
     Path(sys.argv[1]).write_text(json.dumps(results, indent=1))
