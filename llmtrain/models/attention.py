@@ -84,17 +84,30 @@ def whole_rows_sdpa(query, key, value, segments: torch.Tensor, dropout: float, s
 
 
 def attend(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """What NAME runs: chunked_sdpa; on packed rows past 4 x CHUNK_ROWS positions, segmented_sdpa by the
-    examples' position ids; under a sequence split, whole_rows_sdpa over the whole sequence's positions."""
+    """What NAME runs: chunked_sdpa; on rows past 4 x CHUNK_ROWS positions (long_rows_mask's marker),
+    segmented_sdpa by the examples' position ids; under a sequence split, whole_rows_sdpa over the whole
+    sequence's positions."""
     if ulysses.active() is not None:
         return ulysses.attention(whole_rows_sdpa, query, key, value, dropout, scaling)
-    positions, length = kwargs.get("position_ids"), query.shape[2]
-    if (length > 4 * CHUNK_ROWS and attention_mask is not None and attention_mask.dim() == 4
-            and positions is not None and key.shape[2] == length and kwargs.get("sliding_window") is None):
-        # transformers built this mask from the position ids alone (training rows carry no padding mask; a
-        # left-padded prompt's pads are runs of their own): the same attention, without the mask
-        return segmented_sdpa(query, key, value, ulysses.segment_ids(positions), dropout, scaling), None
+    if attention_mask is not None and attention_mask.shape[-1] == 0:  # long_rows_mask's marker
+        if kwargs.get("position_ids") is None:
+            raise RuntimeError(f"{type(module).__name__} passes no position_ids to its attention function: "
+                               f"rows over {4 * CHUNK_ROWS} positions need them (use model.attn_implementation=eager)")
+        return segmented_sdpa(query, key, value, ulysses.segment_ids(kwargs["position_ids"]), dropout, scaling), None
     return chunked_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def long_rows_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                   attention_mask=None, local_size=None, use_vmap: bool = False, device="cpu", **kwargs):
+    """NAME's mask: transformers' sdpa_mask, except for rows past 4 x CHUNK_ROWS positions whose mask would come
+    from their position ids alone (causal, packed examples: no padding mask, sliding window, cache or custom mask
+    function): an empty [batch, 1, 0, 0] marker instead of the S x S mask (1 GiB at 32k positions), and `attend`
+    takes the examples from the position ids."""
+    if (q_length == kv_length > 4 * CHUNK_ROWS and q_offset == kv_offset == 0 and attention_mask is None
+            and local_size is None and not use_vmap):
+        return torch.ones(batch_size, 1, 0, 0, dtype=torch.bool, device=device)
+    return sdpa_mask(batch_size, q_length, kv_length, q_offset=q_offset, kv_offset=kv_offset,
+                     attention_mask=attention_mask, local_size=local_size, use_vmap=use_vmap, device=device, **kwargs)
 
 
 # model.attn_implementation -> the class flag with which transformers says a model supports it.
@@ -117,4 +130,4 @@ def choose(name: str, config) -> tuple[str, str]:
 
 
 AttentionInterface.register(NAME, attend)
-AttentionMaskInterface.register(NAME, sdpa_mask)
+AttentionMaskInterface.register(NAME, long_rows_mask)

@@ -178,6 +178,10 @@ def test_long_packed_rows_keep_no_mask_for_the_backward_pass(tok, monkeypatch):
         return [s for s in saved if len(s) == 4 and s[-1] > 8]  # [.., queries, keys], not [.., positions, head_dim 8]
     assert forward_saves(1024)  # 4 query chunks under masks: kept for the backward pass
     assert forward_saves(8) == []
+    # nor is the whole [positions x positions] mask built: transformers gets an empty marker
+    assert attention.long_rows_mask(1, length, length).shape == (1, 1, 0, 0)
+    monkeypatch.setattr(attention, "CHUNK_ROWS", 1024)
+    assert attention.long_rows_mask(1, length, length, allow_is_causal_skip=False).shape == (1, 1, length, length)
 
 
 def positions(n: int, world: int, seed: int, start: int, count: int) -> list[list[int]]:

@@ -8,7 +8,10 @@ time after the first step. Against a per-process budget (--budget-gib):
     sp_size 2 / one process (target <= 0.6x);
   - length: L2, the longest L that sp_size 2 trains within the same budget per process, / L1 (target >= 1.8x).
 A series stops at its first L over the budget. The one process runs parallel.strategy=none (all of the training
-state in it), the two run fsdp2 (the state sharded: a part of the saving that is not the split's).
+state in it), the two run fsdp2 (the state sharded: a part of the saving that is not the split's). Both run with
+glibc's MALLOC_MMAP_THRESHOLD_ fixed (--mmap-threshold-mib, default 1): glibc otherwise raises its threshold as
+large blocks are freed and serves later tensors from a heap it does not give back, so peak RSS holds memory no
+tensor uses (what a GPU's allocated-memory peak would not count); 0 leaves glibc's default.
 
     python bench/benchmarks/longctx/longctx.py [--lengths 2048,4096,...] [--budget-gib 3] [--steps 3] [--out DIR]
     python bench/benchmarks/longctx/longctx.py --quick    # a smoke run: two short lengths
@@ -43,7 +46,7 @@ class Result(NamedTuple):
     step_s: float
 
 
-def train(out: Path, series: str, length: int, steps: int) -> Result:
+def train(out: Path, series: str, length: int, steps: int, env: dict) -> Result:
     nproc, overrides = SERIES[series]
     shutil.rmtree(out, ignore_errors=True)
     args = [RECIPE, "--config", SHAPE, f"output_dir={out}", f"data.seq_len={length}",
@@ -51,18 +54,18 @@ def train(out: Path, series: str, length: int, steps: int) -> Result:
             "train.warmup_steps=0", "train.loss_impl=chunked", "log.every_steps=1", "log.progress=false",
             "distributed.preflight=false", "checkpoint.every_steps=0", *overrides]
     if nproc == 1:
-        run([sys.executable, *args], timeout=3600, log=out / "log.txt")
+        run([sys.executable, *args], timeout=3600, env=env, log=out / "log.txt")
     else:
-        torchrun(args, nproc=nproc, timeout=3600, log=out / "log.txt")
+        torchrun(args, nproc=nproc, timeout=3600, env=env, log=out / "log.txt")
     records = train_records(out)
     return Result(length, max(r["mem_gb"] for r in records), median([r["step_time_s"] for r in records[1:]]))
 
 
-def ladder(root: Path, series: str, lengths: list[int], budget: float, steps: int) -> list[Result]:
+def ladder(root: Path, series: str, lengths: list[int], budget: float, steps: int, env: dict) -> list[Result]:
     """The series' runs up to and including its first one over the budget."""
     results = []
     for length in lengths:
-        results.append(train(root / series.replace(" ", "_") / str(length), series, length, steps))
+        results.append(train(root / series.replace(" ", "_") / str(length), series, length, steps, env))
         print(f"{series}: {length} tokens: peak {results[-1].peak_gib:.2f} GiB per rank, "
               f"step {results[-1].step_s:.2f} s", flush=True)
         if results[-1].peak_gib > budget:
@@ -80,6 +83,8 @@ def main() -> int:
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="the ladder of row lengths (tokens)")
     p.add_argument("--budget-gib", type=float, default=3.0, help="peak host memory per process that counts as fitting")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--mmap-threshold-mib", type=int, default=1,
+                   help="glibc's MALLOC_MMAP_THRESHOLD_ for both series (module docstring); 0: glibc's default")
     p.add_argument("--quick", action="store_true", help="smoke run: 512 and 1024 tokens, 2 steps")
     p.add_argument("--out", type=Path, default=None, help="keep the runs here (default: a temporary directory)")
     args = p.parse_args()
@@ -89,14 +94,16 @@ def main() -> int:
         p.error(f"--lengths: {odd} not divisible by sp_size 2")
     root = args.out or Path(tempfile.mkdtemp(prefix="bench_longctx_"))
     load = os.getloadavg()
-    one = ladder(root, "1 process", lengths, args.budget_gib, steps)
+    env = {"MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold_mib << 20)} if args.mmap_threshold_mib else {}
+    one = ladder(root, "1 process", lengths, args.budget_gib, steps, env)
     l1 = longest(one, args.budget_gib)
     # sp_size 2 from L1 on (L1 itself for the memory ratio), or the whole ladder if one process fits nothing
-    sp2 = ladder(root, "sp_size 2", [n for n in lengths if l1 is None or n >= l1.length], args.budget_gib, steps)
+    sp2 = ladder(root, "sp_size 2", [n for n in lengths if l1 is None or n >= l1.length], args.budget_gib, steps, env)
     l2 = longest(sp2, args.budget_gib)
     load = tuple(max(a, b) for a, b in zip(load, os.getloadavg()))
     print(f"\nllama-32k shape, 1 packed row per step, chunked loss, {steps} steps (step time: median after the "
-          f"first), budget {args.budget_gib:g} GiB per process; load average (1/5/15 min, the higher of start and "
+          f"first), budget {args.budget_gib:g} GiB per process, MALLOC_MMAP_THRESHOLD_ "
+          f"{env.get('MALLOC_MMAP_THRESHOLD_', 'default')}; load average (1/5/15 min, the higher of start and "
           "end) " + "/".join(f"{x:.1f}" for x in load) + f" on {os.cpu_count()} cores\n")
     print("| series | row (tokens) | peak host memory / rank | step time |")
     print("| --- | --- | --- | --- |")
