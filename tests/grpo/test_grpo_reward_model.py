@@ -2,8 +2,9 @@
 gives in a run equal scoring the logged prompt + completion with AutoModelForSequenceClassification and the reward
 model's own tokenizer directly, one text at a time, as TRL writes them (text concatenated; messages through the
 reward model's chat template, which differs from the policy's here), on one process beside a reward function with
-weights, and on 2 fsdp2 ranks with the reward model sharded; logged under its directory's name; a causal LM
-directory and a reward model inside output_dir exit 2 in one line before any process group."""
+weights, on 2 fsdp2 ranks with the reward model sharded and on 2 ddp ranks with it whole on each; logged under its
+directory's name; a causal LM directory and a reward model inside output_dir exit 2 in one line before any process
+group."""
 
 from __future__ import annotations
 
@@ -50,16 +51,23 @@ def dirs(tmp_path_factory):
     return tmp, write_config(tmp)
 
 
+# The 2-rank runs on chat prompts, by the policy's strategy: how the reward model is held beside it (train.frozen's
+# log line): sharded on fsdp2's mesh, whole on each ddp rank.
+HELD = {"chat": ("fsdp2", "fsdp2"), "ddp": ("ddp", "none")}
+
+
 @pytest.fixture(scope="module")
 def runs(dirs):
     tmp, config = dirs
     judge, chars = tmp / "judge", f"{tmp / 'rewards.py'}:chars"
-    text = start_recipe(tmp / "text", f"grpo.reward_funcs=[{chars},{judge}]", f"grpo.reward_weights=[1.0,{WEIGHT}]",
-                        "train.max_steps=1", "grpo.beta=0.0", "grpo.num_iterations=1", config=config, script=GRPO)
-    chat = start_recipe(tmp / "chat", f"grpo.reward_funcs=[{judge}]", f"data.path={tmp / 'chat.jsonl'}",
-                        "parallel.strategy=fsdp2", "train.micro_batch_size=3", "train.max_steps=1", "grpo.beta=0.0",
-                        "grpo.num_iterations=1", nproc=2, config=config, script=GRPO)
-    return {"text": finish_recipe(text), "chat": finish_recipe(chat)}
+    once = ("train.max_steps=1", "grpo.beta=0.0", "grpo.num_iterations=1")
+    started = {"text": start_recipe(tmp / "text", f"grpo.reward_funcs=[{chars},{judge}]",
+                                    f"grpo.reward_weights=[1.0,{WEIGHT}]", *once, config=config, script=GRPO)}
+    for run, (strategy, _) in HELD.items():
+        started[run] = start_recipe(tmp / run, f"grpo.reward_funcs=[{judge}]", f"data.path={tmp / 'chat.jsonl'}",
+                                    f"parallel.strategy={strategy}", "train.micro_batch_size=3", *once, nproc=2,
+                                    config=config, script=GRPO)
+    return {run: finish_recipe(proc) for run, proc in started.items()}
 
 
 def direct_scores(path, records: list[dict], tokenizer_path=None) -> list[float]:
@@ -83,18 +91,18 @@ def completions(out) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", ["text", "chat"])
+@pytest.mark.parametrize("run", ["text", *HELD])
 def test_reward_model_rewards_equal_scoring_with_auto_model_for_sequence_classification(dirs, runs, run):
     tmp, _ = dirs
     logged = completions(tmp / run)
     assert len(logged) == 12  # every completion of the step
     assert direct_scores(tmp / "judge", logged) == pytest.approx([r["rewards"]["judge"] for r in logged], abs=1e-5)
     assert len({round(r["rewards"]["judge"], 4) for r in logged}) > len(logged) // 2  # they differ: a real test
-    if run == "chat":  # the policy's chat template would give other rewards
+    if run in HELD:  # the policy's chat template would give other rewards
         policy = direct_scores(tmp / "judge", logged, REPO / "assets" / "tokenizer")
         assert all(abs(a - r["rewards"]["judge"]) > 1e-4 for a, r in zip(policy, logged))
         assert "grpo: reward model " + str(tmp / "judge") + " (" in runs[run].stdout
-        assert "frozen, fsdp2" in runs[run].stdout
+        assert f"frozen, {HELD[run][1]}," in runs[run].stdout
 
 
 @pytest.mark.slow
