@@ -1,7 +1,7 @@
 """Each vision-language family (LLaVA, Qwen2.5-VL, Gemma 3, Idefics3, SmolVLM) built and loaded by the library as a
 run builds it (models.build.build_model: meta -> wrap -> each rank's slices of model.path) is from_pretrained's:
 every parameter and buffer equal, and the full logits on a batch with images. In this process, on a 1-rank gloo
-group (no launch): none and fsdp2."""
+group (no launch): none and fsdp2; and its export gives its logits."""
 
 from __future__ import annotations
 
@@ -95,6 +95,33 @@ def test_loaded_model_is_from_pretrained(assets, single_process_group, family, s
     with torch.no_grad():
         logits = built.model(**batch, use_cache=False).logits
         torch.testing.assert_close(logits, reference(**batch, use_cache=False).logits, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_export_gives_the_models_logits(assets, single_process_group, tmp_path, family):
+    """The export (export_hf from fsdp2's shards, with the processor) of a model whose trained parts changed loads
+    with AutoModelForImageTextToText and gives that model's full logits on a batch with images."""
+    from llmtrain import export
+
+    section = ModelConfig(path=str(assets / family), trust_remote_code=TRUST[family])
+    proc = processor(assets, family)
+    config = model_lib.load_model_config(section, proc.tokenizer)
+    env = distributed.DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    built = build_model(section, config, ParallelConfig(strategy="fsdp2"), env, seed=0)
+    with torch.no_grad():
+        for p in built.model.parameters():
+            if p.requires_grad:
+                p.mul_(1.25)
+    export.export_hf(built.model, built.plan.strategy, env.device, tmp_path / "hf", config, proc.tokenizer,
+                     processor=proc)
+    batch = image_batch(assets, family)
+    built.model.eval()
+    exported = AutoModelForImageTextToText.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = built.model(**batch, use_cache=False).logits
+        torch.testing.assert_close(exported(**batch, use_cache=False).logits, logits, rtol=0, atol=1e-5)
+        original = AutoModelForImageTextToText.from_pretrained(section.path, dtype=torch.float32).eval()
+        assert (original(**batch, use_cache=False).logits - logits).abs().max() > 1e-2
 
 
 # 3 steps of 4 rows (micro 2 x accumulation 2 on 1 process, micro 1 on 2 ranks); YAML is a superset of JSON
