@@ -15,7 +15,12 @@ Outputs:
                                                                               chosen (true), then every rejected
     data/demo/reward.jsonl             {"prompt", "chosen", "rejected"}       more pairs of the same kinds, for
                                                                               the reward-model demo
+    data/demo/vlm/train.jsonl, val.jsonl  {"messages", "images"}              questions about images/*.png (the
+                                                                              colour and the size of their
+                                                                              shape), held-out images in val
     assets/tokenizer/                  512-token byte-level BPE, loadable with AutoTokenizer
+    assets/vlm/                        a tiny random LLaVA (CLIP tower, Llama decoder) with its processor (the
+                                       tokenizer above plus <image>), for configs/demo-vlm.yaml
 
 The text is synthetic English about a tiny fixed "world" (people, places, objects, colours,
 numbers). Facts are fixed (the ball is always the same colour, arithmetic is always right), so
@@ -43,6 +48,7 @@ VOCAB_SIZE = 512
 N_TRAIN, N_VAL, N_INSTRUCT, N_CHAT, N_SHAREGPT = 3000, 200, 600, 600, 100
 N_PREFERENCE = 1000
 N_REWARD = 3000  # the reward demo needs more count pairs than DPO to reach 0.9 held out (docs/preference.md)
+N_VLM_TRAIN, N_VLM_VAL = 200, 50  # images; each is asked every question
 
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
 START_HEADER, END_HEADER, EOT = "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"
@@ -238,6 +244,90 @@ def preference(r):
 
 SHAREGPT_ROLE = {"system": "system", "user": "human", "assistant": "gpt"}
 
+# ----------------------------------------------------------------------------- images (the VLM demo)
+# One shape on white, in the left or the right half of the image; the tower's patches are the image's quarters.
+IMAGE_SIZE, PATCH = 32, 16
+SHAPE_COLOURS = {"red": (220, 40, 40), "green": (40, 180, 40), "blue": (40, 60, 220), "yellow": (230, 200, 30)}
+QUESTIONS = {"colour": "What colour is the shape?", "size": "Is it big or small?"}
+VLM_TEXT = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=128)
+VLM_VISION = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  projection_dim=64)
+IMAGE_TOKEN = "<image>"
+# The bundled template over string or list-of-parts contents (an image part is the processor's <image>).
+VLM_CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{%- if message['content'] is string %}{%- set parts = [{'type': 'text', 'text': message['content']}] %}"
+    "{%- else %}{%- set parts = message['content'] %}{%- endif %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{%- generation %}{%- for p in parts %}{{- p['text'] }}{%- endfor %}{{- '<|eot_id|>' }}{%- endgeneration %}"
+    "{%- else %}"
+    "{%- for p in parts %}{%- if p['type'] == 'image' %}{{- '<image>' }}{%- else %}{{- p['text'] }}{%- endif %}"
+    "{%- endfor %}{{- '<|eot_id|>' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{%- endif %}"
+)
+
+
+def shape_image(r):
+    """An image (PIL) of one square or circle of one colour on white, in the left or the right half; its answers."""
+    from PIL import Image, ImageDraw
+
+    colour, side, kind = r.choice(list(SHAPE_COLOURS)), r.choice(["left", "right"]), r.choice(["square", "circle"])
+    big = r.random() < 0.5
+    half = IMAGE_SIZE // 2
+    size = r.randint(half * 5 // 8, half - 2) if big else r.randint(half * 3 // 8, half // 2)
+    x = (0 if side == "left" else half) + r.randint(1, half - size - 1)
+    y = r.randint(1, IMAGE_SIZE - size - 1)
+    image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (255, 255, 255))
+    draw = ImageDraw.Draw(image)
+    (draw.rectangle if kind == "square" else draw.ellipse)((x, y, x + size, y + size), fill=SHAPE_COLOURS[colour])
+    return image, {"colour": colour, "side": side, "shape": kind, "size": "big" if big else "small"}
+
+
+def vlm_records(r, folder, split, n):
+    """`n` images written to folder/images/<split>-<i>.png, and a record for each question about each."""
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    records = []
+    for i in range(n):
+        image, answers = shape_image(r)
+        name = f"images/{split}-{i}.png"
+        image.save(folder / name, optimize=False)
+        for kind, question in QUESTIONS.items():
+            records.append({"messages": [{"role": "user", "content": [{"type": "image"},
+                                                                      {"type": "text", "text": question}]},
+                                         {"role": "assistant", "content": [{"type": "text", "text": answers[kind]}]}],
+                            "images": [name]})
+    return records
+
+
+def tiny_vlm(tokenizer, path):
+    """A random tiny LLaVA (a 2-layer CLIP tower on the 16x16 cells of the 32x32 images, a 2-layer Llama decoder) with
+    its processor: the bundled tokenizer plus <image>, the bundled layout's chat template over image parts."""
+    import torch
+    from transformers import (AutoModelForImageTextToText, CLIPImageProcessorPil, CLIPVisionConfig, LlamaConfig,
+                              LlavaConfig, LlavaProcessor)
+
+    tokenizer.add_special_tokens({"additional_special_tokens": [START_HEADER, END_HEADER, EOT, IMAGE_TOKEN]})
+    text = LlamaConfig(**VLM_TEXT, vocab_size=len(tokenizer),
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.convert_tokens_to_ids(EOT),
+                       pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    vision = CLIPVisionConfig(**VLM_VISION, image_size=IMAGE_SIZE, patch_size=PATCH)
+    config = LlavaConfig(vision_config=vision, text_config=text, tie_word_embeddings=False,
+                         image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN), vision_feature_layer=-1)
+    torch.manual_seed(SEED)
+    AutoModelForImageTextToText.from_config(config, dtype=torch.float32).save_pretrained(path)
+    size = {"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+    LlavaProcessor(image_processor=CLIPImageProcessorPil(size={"shortest_edge": IMAGE_SIZE}, crop_size=size),
+                   tokenizer=tokenizer, patch_size=PATCH, vision_feature_select_strategy="default",
+                   image_token=IMAGE_TOKEN, num_additional_image_tokens=1,
+                   chat_template=VLM_CHAT_TEMPLATE).save_pretrained(path)
+
 
 def write_jsonl(path, records):
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -306,7 +396,11 @@ def main(argv=None):
               + [m["content"] for c in chat for m in c["messages"]])
     tokenizer = train_tokenizer(corpus)
     tokenizer.save_pretrained(out / "assets" / "tokenizer")
-    print(f"wrote {data} and {out / 'assets' / 'tokenizer'}")
+    vlm = data / "vlm"
+    for split, n in [("train", N_VLM_TRAIN), ("val", N_VLM_VAL)]:
+        write_jsonl(vlm / f"{split}.jsonl", vlm_records(rng(f"vlm-{split}"), vlm, split, n))
+    tiny_vlm(tokenizer, out / "assets" / "vlm")
+    print(f"wrote {data}, {out / 'assets' / 'tokenizer'} and {out / 'assets' / 'vlm'}")
 
 
 if __name__ == "__main__":

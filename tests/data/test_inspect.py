@@ -84,6 +84,7 @@ DEMO_DATA = {
     "demo-agent-sft.yaml": ("tokens", "--- 400 examples -> 400 rows of 384 tokens; 14800 trained tokens; "
                                       "packing efficiency 94.1%; 0 truncated; 0 skipped"),
     "demo-agent.yaml": ("prompts", "--- 400 examples -> 400 prompts; 0 trained tokens; 0 truncated; 0 skipped"),
+    "demo-vlm.yaml": ("tokens", "--- 400 examples -> 400 rows; 1553 trained tokens; 0 truncated; 0 skipped"),
 }
 
 

@@ -122,7 +122,8 @@ def test_generator_reproduces_shipped_files(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "scripts" / "make_demo_assets.py"), "--out", str(tmp_path)],
                    check=True, capture_output=True, timeout=120)
     generated = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
-    assert {p.parent.as_posix() for p in generated} == {"data/demo", "assets/tokenizer"}
+    assert {p.parent.as_posix() for p in generated} == {"data/demo", "data/demo/vlm", "data/demo/vlm/images",
+                                                        "assets/tokenizer", "assets/vlm"}
     assert len(generated) >= 8
     for rel in generated:
         assert (ROOT / rel).read_bytes() == (tmp_path / rel).read_bytes(), f"{rel} differs; rerun the script"
