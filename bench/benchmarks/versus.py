@@ -116,11 +116,12 @@ GRPO_RECIPE = REPO / "recipes" / "grpo.py"
 
 
 def recipe_vs_trl(ctx: Ctx, name: str, recipe: Path, shape: Path, driver: str, steps: int, warmup: int,
-                  window: int, changes: dict | None = None) -> tuple[list[tuple], Path, int, int]:
+                  window: int, changes: dict | None = None,
+                  in_trl_venv: bool = False) -> tuple[list[tuple], Path, int, int]:
     """`recipe` and TRL (bench/baselines/<driver>, TRL's venv) from one random model directory of llama-32k's shape,
     ddp, 2 ranks, --pairs alternating pairs: [(recipe, TRL)] with each side's rate, per-step counts, peak memory and
     fastest `window`-step rate after `warmup` steps; and the config both read (`shape` with `changes`, e.g. {"grpo":
-    {"max_completion_length": 256}}, applied)."""
+    {"max_completion_length": 256}}, applied); in_trl_venv: the recipe runs in TRL's venv too."""
     pairs = 1 if ctx.quick else ctx.pairs
     work = ctx.dir(name)
     bindir = trl_python(ctx)
@@ -133,9 +134,13 @@ def recipe_vs_trl(ctx: Ctx, name: str, recipe: Path, shape: Path, driver: str, s
 
     def run_recipe(i: int) -> dict:
         out = work / f"recipe_{i}"
-        torchrun([recipe, "--config", cfg, f"output_dir={out}", f"train.max_steps={steps}", "log.every_steps=1",
-                  "log.progress=false", "checkpoint.resume=never"], timeout=TIMEOUT,
-                 log=work / f"recipe_{i}.log")
+        args = [recipe, "--config", cfg, f"output_dir={out}", f"train.max_steps={steps}", "log.every_steps=1",
+                "log.progress=false", "checkpoint.resume=never"]
+        if in_trl_venv:
+            run([bindir / "torchrun", "--standalone", "--nproc_per_node=2", *args], TIMEOUT, None,
+                work / f"recipe_{i}.log")
+        else:
+            torchrun(args, timeout=TIMEOUT, log=work / f"recipe_{i}.log")
         records = train_records(out)
         rate, _, _ = useful_tokens_per_sec(records, warmup)
         tokens = [r["trained_tokens"] for r in records]
@@ -200,13 +205,17 @@ class Counted:
     unit: str       # "pairs" or "rows"
     target: float   # the rate ratio asked for
     setup: Callable[[dict], str]  # the config -> the rest of the sentence on what both sides train
+    # the recipe in TRL's venv too: the same packages on both sides (peak memory within a few % of TRL's, where
+    # what transformers imports from this repo's dev extras, e.g. scipy for lm_eval, would count)
+    in_trl_venv: bool = False
 
 
 def counted_vs_trl(ctx: Ctx, c: Counted) -> dict:
     """`unit`/s of c.recipe vs TRL's c.trainer from one model directory, ddp, 2 ranks (recipe_vs_trl), with peak
     memory per rank: the table, the ratios (>= c.target, memory <= 1x) and the raw numbers."""
     runs, cfg, steps, warmup = recipe_vs_trl(ctx, c.name, c.recipe, c.shape, c.driver,
-                                             *((6, 2) if ctx.quick else (20, 5)), 2 if ctx.quick else 5)
+                                             *((6, 2) if ctx.quick else (20, 5)), 2 if ctx.quick else 5,
+                                             in_trl_venv=c.in_trl_venv)
     conf = yaml.safe_load(cfg.read_text())
     per_step = conf["train"]["micro_batch_size"] * conf["train"]["grad_accum_steps"] * 2  # 2 ranks
     work = ctx.dir(c.name)
@@ -229,7 +238,8 @@ def counted_vs_trl(ctx: Ctx, c: Counted) -> dict:
         f"{b['optim']}, "
         f"attention {b['attn_implementation']}, {b['wrapper']}; TRL defaults otherwise, in its own venv "
         f"({ctx.trl_venv_shown}). {steps} steps, the first {warmup} left out; time from rank 0 at the end of each "
-        f"step. Peak memory: peak RSS of the process, max over ranks.")
+        f"step. Peak memory: peak RSS of the process, max over ranks."
+        + (" The recipe ran in TRL's venv too (the same packages on both sides)." if c.in_trl_venv else ""))
     return {"table": text,
             "ratios": [ratio(f"{c.name}: recipe / TRL {c.trainer} {c.unit}/s", median(speed), c.target),
                        ratio(f"{c.name}: recipe / TRL {c.trainer} peak memory per rank", median(mem), 1.0, "<=")],
