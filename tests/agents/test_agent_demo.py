@@ -1,10 +1,12 @@
 """The agent demo's data and template (configs/demo-agent*.yaml, docs/agents.md): every trace of
 data/demo/agent/sft.jsonl, rendered by configs/templates/compact-tools.jinja, is short, trains exactly the call and the
 answer, shows no digit but the tool's result (the answer is copied or guessed), and is the same ids GRPO assembles from
-its prompt (tools= from the demo's Vault environment), the call, the tool message's suffix and the answer."""
+its prompt (tools= from the demo's Vault environment), the call, the tool message's suffix and the answer; the curve
+docs/agents.md quotes is what scripts/curve_figures.py prints from the committed run."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 
@@ -51,3 +53,14 @@ def test_demo_traces_are_short_copy_tasks_that_grpo_renders_alike():
     assert len(prompts) == 400 and {r["answer"] for r in prompts} == {str(d) for d in range(10)}
     asks = [r["prompt"][0]["content"] for r in prompts] + [r["messages"][0]["content"] for r in sft]
     assert not any(re.search(r"\d", ask) for ask in asks)
+
+
+def test_the_docs_quote_the_measured_run():
+    """docs/agents.md's curve line is what scripts/curve_figures.py prints from the committed run's metrics."""
+    spec = importlib.util.spec_from_file_location("curve_figures", REPO / "scripts" / "curve_figures.py")
+    curve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(curve)
+    doc = " ".join((REPO / "docs" / "agents.md").read_text().split())
+    measured = [json.loads(line) for line in (REPO / "docs" / "measured" / "demo-agent.jsonl").read_text().splitlines()]
+    assert "python scripts/curve_figures.py outputs/demo-agent --window 25" in doc
+    assert "measured/demo-agent.jsonl" in doc and curve.figures(measured, "reward", 25, 10) in doc
