@@ -28,6 +28,7 @@ with is in bench/baselines/):
   data           llmtrain.data.build's tokens/s vs what the demo consumes
   checkpoint     DCP save / load and the HF export vs `dd`
   vlm            image chat SFT of a tiny Qwen2.5-VL (vocabulary 151,936) vs TRL's SFTTrainer
+  agent          tool-use GRPO in the agent demo's environment vs TRL's GRPOTrainer(environment_factory)
 
 --quick makes every benchmark tiny (a smoke run: the figures mean little). The GPU benchmark is a
 separate script, bench/gpu.sh (see its header).
@@ -55,7 +56,7 @@ from common import REPO, BenchError
 from benchmarks.base import BENCH, Ctx, table
 
 NAMES = ["overhead", "loss", "trainer", "trl", "dpo", "grpo", "dpo_reference", "distill", "memory", "data",
-         "checkpoint", "reward", "kto", "vlm"]
+         "checkpoint", "reward", "kto", "vlm", "agent"]
 
 
 # -- report ----------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """The agent demo's data (configs/demo-agent-sft.yaml, configs/demo-agent.yaml): data/demo/agent/sft.jsonl, tool-calling
 conversations in TRL's SFT format (a `tools` column, an assistant turn calling read_code, the tool's result, the
 answer), and data/demo/agent/prompts.jsonl, GRPO's prompts with each episode's code as the `answer` column (the
-environment, data/demo/agent/vault.py, holds it). Deterministic: python scripts/make_agent_data.py"""
+environment, data/demo/agent/vault.py, holds it). The code is one digit and the prompts hold none, so the tool's
+result is the only digit a trace shows: an answer is right by copying it or by chance (1 in 10).
+Deterministic: python scripts/make_agent_data.py"""
 
 import importlib.util
 import json
@@ -11,8 +13,8 @@ from pathlib import Path
 from transformers.utils import get_json_schema
 
 HERE = Path(__file__).resolve().parents[1] / "data" / "demo" / "agent"
-ASKS = ["Vault {n}: what is its code?", "What is the code of vault {n}?", "Tell me the code of vault {n}.",
-        "Open vault {n} and say its code."]
+ASKS = ["The {v} vault's code?", "Open the {v} vault.", "What opens the {v} vault?", "Code of the {v} vault?"]
+VAULTS = ["red", "blue", "green", "old", "small", "big", "iron", "gold"]
 
 
 def main() -> None:
@@ -23,8 +25,8 @@ def main() -> None:
     rng = random.Random(0)
 
     def episode() -> tuple[list[dict], str]:
-        ask = rng.choice(ASKS).format(n=rng.randrange(1, 100))
-        return [{"role": "user", "content": ask}], str(rng.randrange(100, 1000))
+        ask = rng.choice(ASKS).format(v=rng.choice(VAULTS))
+        return [{"role": "user", "content": ask}], str(rng.randrange(10))
 
     with open(HERE / "sft.jsonl", "w") as f:
         for _ in range(400):

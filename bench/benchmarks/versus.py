@@ -117,11 +117,13 @@ GRPO_RECIPE = REPO / "recipes" / "grpo.py"
 
 def recipe_vs_trl(ctx: Ctx, name: str, recipe: Path, shape: Path, driver: str, steps: int, warmup: int,
                   window: int, changes: dict | None = None,
+                  warm: Callable[[Path], Path] | None = None,
                   in_trl_venv: bool = False) -> tuple[list[tuple], Path, int, int]:
-    """`recipe` and TRL (bench/baselines/<driver>, TRL's venv) from one random model directory of llama-32k's shape,
-    ddp, 2 ranks, --pairs alternating pairs: [(recipe, TRL)] with each side's rate, per-step counts, peak memory and
-    fastest `window`-step rate after `warmup` steps; and the config both read (`shape` with `changes`, e.g. {"grpo":
-    {"max_completion_length": 256}}, applied); in_trl_venv: the recipe runs in TRL's venv too."""
+    """`recipe` and TRL (bench/baselines/<driver>, TRL's venv) from one random model directory of llama-32k's shape
+    (or the directory `warm` makes of it, e.g. a short SFT), ddp, 2 ranks, --pairs alternating pairs: [(recipe, TRL)]
+    with each side's rate, per-step counts, peak memory and fastest `window`-step rate after `warmup` steps; and the
+    config both read (`shape` with `changes`, e.g. {"grpo": {"max_completion_length": 256}}, applied); in_trl_venv:
+    the recipe runs in TRL's venv too."""
     pairs = 1 if ctx.quick else ctx.pairs
     work = ctx.dir(name)
     bindir = trl_python(ctx)
@@ -129,6 +131,7 @@ def recipe_vs_trl(ctx: Ctx, name: str, recipe: Path, shape: Path, driver: str, s
     model_shape = yaml.safe_load(SHAPE_32K.read_text())["model"]["config"]
     run([sys.executable, MEMORY_PROBE, "--export", model_dir, "--shape", json.dumps(model_shape)],
         TIMEOUT)
+    model_dir = warm(model_dir) if warm else model_dir
     cfg = write_config(work / f"{name}.yaml", shape, {**(changes or {}), "model": {"path": str(model_dir)}})
     data = yaml.safe_load(cfg.read_text())["data"]["path"]
 

@@ -81,8 +81,8 @@ DEMO_DATA = {
     "demo-reward.yaml": ("pairs", "--- 2700 examples -> 2700 pairs; 55752 trained tokens; 0 truncated; 0 skipped"),
     "demo-grpo.yaml": ("prompts", "--- 128 examples -> 128 prompts; 0 trained tokens; 0 truncated; 0 skipped"),
     "demo-kto.yaml": ("unpaired", "--- 2000 examples -> 2000 rows; 20825 trained tokens; 0 truncated; 0 skipped"),
-    "demo-agent-sft.yaml": ("tokens", "--- 400 examples -> 400 rows of 384 tokens; 14800 trained tokens; "
-                                      "packing efficiency 94.1%; 0 truncated; 0 skipped"),
+    "demo-agent-sft.yaml": ("tokens", "--- 400 examples -> 200 rows of 192 tokens; 14000 trained tokens; "
+                                      "packing efficiency 93.7%; 0 truncated; 0 skipped"),
     "demo-agent.yaml": ("prompts", "--- 400 examples -> 400 prompts; 0 trained tokens; 0 truncated; 0 skipped"),
     "demo-vlm.yaml": ("tokens", "--- 400 examples -> 400 rows; 1553 trained tokens; 0 truncated; 0 skipped"),
 }

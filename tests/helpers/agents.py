@@ -135,7 +135,7 @@ tokenizer: {path: assets/tokenizer}
 data: {path: data/demo/agent/sft.jsonl, format: chat, chat_template: configs/templates/llama3-tools.jinja,
        seq_len: 384}
 parallel: {strategy: none}
-train: {max_steps: 40, micro_batch_size: 8, grad_accum_steps: 1, lr: 1.0e-2, warmup_steps: 4, seed: 3,
+train: {max_steps: 60, micro_batch_size: 8, grad_accum_steps: 1, lr: 1.0e-2, warmup_steps: 4, seed: 3,
         lr_schedule: constant}
 log: {every_steps: 10, progress: false}
 """
