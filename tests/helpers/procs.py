@@ -28,7 +28,8 @@ def start(args: list[str], nproc: int = 1, env: dict | None = None, torchrun: bo
           torchrun_args: tuple[str, ...] = ()) -> subprocess.Popen:
     """Start `args` (a script and its arguments) under torchrun with nproc processes, or plain python, or as
     children of the fork server (launcher.spawn), in its own process group (so a timeout can kill everything it
-    started). torchrun=True for a test of torchrun's own part (its agent, worker_pids)."""
+    started). torchrun=True for a test of torchrun's own part (its agent, worker_pids); torchrun=False for a fresh
+    interpreter (a worker that must not have llmtrain imported, or measures its own process)."""
     if not running_slow_test:
         pytest.fail("this test starts processes: mark it @pytest.mark.slow (make test-fast runs none)")
     return launcher.spawn(args, nproc, torchrun, torchrun_args, env)
