@@ -119,49 +119,63 @@ WORKER = textwrap.dedent("""
     from helpers.keyed_sampling import EOS, PAD, SAMPLING, rows_and_keys, tiny
     from llmtrain.rollout.local import gathered, generate
 
-    strategy, out = sys.argv[1], sys.argv[2]
+    def sample(strategy):
+        model, cpu = tiny(), torch.device("cpu")
+        rows, keys = rows_and_keys()
+        mine = slice(rank * 6, 10) if rank else slice(0, 6)  # uneven shares: 6 and 4 rows
+        if strategy == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model, reshard_after_forward=False)  # as llmtrain keeps the root gathered
+        elif strategy == "fsdp":
+            from torch.distributed.fsdp import FullyShardedDataParallel
+            from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+            model = FullyShardedDataParallel(model, auto_wrap_policy=functools.partial(
+                transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer}), use_orig_params=True,
+                device_id=cpu)
+        elif strategy == "ddp":
+            model = torch.nn.parallel.DistributedDataParallel(model)
+        got = generate(model, rows[mine], keys[mine], SAMPLING, EOS, PAD, cpu)
+        with torch.no_grad(), gathered(model) as (module, lockstep):
+            if not lockstep:  # no collective in a forward: rank 1 running 3 more must not hang
+                for _ in range(1 + 3 * rank):
+                    module(input_ids=torch.tensor([rows[0]]), use_cache=False)
+        # training goes on: a forward and backward, collective under FSDP, then the same parameters everywhere
+        model(input_ids=torch.tensor([rows[0]]), use_cache=False).logits.sum().backward()
+        json.dump({"completions": [r[:n].tolist() for r, n in zip(got.ids, got.lengths)],
+                   "truncated": got.truncated.tolist(), "lockstep": lockstep},
+                  open(f"{out}/{strategy}-{rank}.json", "w"))
+
+    strategies, out = sys.argv[1].split(","), sys.argv[2]  # one launch: each strategy on a fresh model
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model, cpu = tiny(), torch.device("cpu")
-    rows, keys = rows_and_keys()
-    mine = slice(rank * 6, 10) if rank else slice(0, 6)  # uneven shares: 6 and 4 rows
-    if strategy == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model, reshard_after_forward=False)  # as llmtrain keeps the root gathered
-    elif strategy == "fsdp":
-        from torch.distributed.fsdp import FullyShardedDataParallel
-        from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
-        model = FullyShardedDataParallel(model, auto_wrap_policy=functools.partial(
-            transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer}), use_orig_params=True,
-            device_id=cpu)
-    elif strategy == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(model)
-    got = generate(model, rows[mine], keys[mine], SAMPLING, EOS, PAD, cpu)
-    with torch.no_grad(), gathered(model) as (module, lockstep):
-        if not lockstep:  # no collective in a forward: rank 1 running 3 more must not hang
-            for _ in range(1 + 3 * rank):
-                module(input_ids=torch.tensor([rows[0]]), use_cache=False)
-    # training goes on: a forward and backward, collective under FSDP, then the same parameters everywhere
-    model(input_ids=torch.tensor([rows[0]]), use_cache=False).logits.sum().backward()
-    json.dump({"completions": [r[:n].tolist() for r, n in zip(got.ids, got.lengths)],
-               "truncated": got.truncated.tolist(), "lockstep": lockstep},
-              open(f"{out}/{strategy}-{rank}.json", "w"))
+    rank = dist.get_rank()
+    for strategy in strategies:
+        sample(strategy)
     dist.destroy_process_group()
 """)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp", "ddp"])
-def test_two_ranks_sample_what_one_unwrapped_process_samples(tmp_path, strategy):
-    script = tmp_path / "worker.py"
+STRATEGIES = ["fsdp2", "fsdp", "ddp"]
+
+
+@pytest.fixture(scope="module")
+def sampled(tmp_path_factory):
+    """The worker's files for every strategy, from one 2-rank launch (its start-up is most of its cost)."""
+    out = tmp_path_factory.mktemp("two_ranks")
+    script = out / "worker.py"
     script.write_text(WORKER)
-    res = launch([script, strategy, tmp_path, REPO / "tests"], nproc=2, timeout=300)
+    res = launch([script, ",".join(STRATEGIES), out, REPO / "tests"], nproc=2, timeout=300)
     assert res.returncode == 0, res.stderr[-4000:]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_two_ranks_sample_what_one_unwrapped_process_samples(sampled, strategy):
     rows, keys = rows_and_keys()
     want = generate(tiny(), rows, keys, SAMPLING, EOS, PAD, CPU)
-    ranks = [json.loads((tmp_path / f"{strategy}-{r}.json").read_text()) for r in (0, 1)]
+    ranks = [json.loads((sampled / f"{strategy}-{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["completions"] + ranks[1]["completions"] == as_lists(want)
     assert ranks[0]["truncated"] + ranks[1]["truncated"] == want.truncated.tolist()
     assert ranks[0]["lockstep"] == (strategy == "fsdp")
