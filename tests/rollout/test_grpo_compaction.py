@@ -12,10 +12,11 @@ import textwrap
 import pytest
 import torch
 
-from helpers import REPO
 from helpers.compaction import CPU, KEYS, MAX, PAD, ROWS, model_and_eos
-from helpers.procs import launch
+from helpers.procs import run_strategies
 from llmtrain.rollout.local import Sampling, filter_logits, generate
+
+STRATEGIES = ["fsdp", "fsdp2"]  # lockstep decoding, and not
 
 @pytest.mark.parametrize("sampling", [Sampling(MAX), Sampling(MAX, temperature=0.7), Sampling(MAX, temperature=1.6),
                                       Sampling(MAX, temperature=0.9, top_k=8), Sampling(MAX, top_p=0.8),
@@ -55,13 +56,14 @@ def test_logps_are_the_sampling_distributions():
 
 WORKER = textwrap.dedent("""
     import functools, json, sys
-    import torch, torch.distributed as dist
+    import torch
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
     sys.path.insert(0, sys.argv[3])  # tests/, for its helpers
     from helpers.compaction import CPU, KEYS, MAX, PAD, ROWS, model_and_eos
+    from helpers.workers import each_strategy
     from llmtrain.rollout.local import Sampling, generate
 
-    def run(strategy):
+    def run(strategy, out, rank):
         model, eos = model_and_eos()
         # Rank 0 gets the rows that stop first, rank 1 those that run to MAX.
         order = generate(model, ROWS, KEYS, Sampling(MAX), eos, PAD, CPU).lengths.argsort(stable=True).tolist()
@@ -83,27 +85,14 @@ WORKER = textwrap.dedent("""
         json.dump({"rows": mine, "completions": [r[:n].tolist() for r, n in zip(got.ids, got.lengths)],
                    "forwards": forwards}, open(f"{out}/{strategy}-{rank}.json", "w"))
 
-    strategies, out = sys.argv[1].split(","), sys.argv[2]  # one launch: each strategy on a fresh model
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    for strategy in strategies:
-        run(strategy)
-    dist.destroy_process_group()
+    each_strategy(run)  # each on a fresh model
 """)
-
-
-STRATEGIES = ["fsdp", "fsdp2"]
 
 
 @pytest.fixture(scope="module")
 def stopped_rank(tmp_path_factory):
-    """The worker's files for every strategy, from one 2-rank launch (its start-up is most of its cost)."""
-    out = tmp_path_factory.mktemp("stopped_rank")
-    script = out / "worker.py"
-    script.write_text(WORKER)
-    res = launch([script, ",".join(STRATEGIES), out, REPO / "tests"], nproc=2, timeout=300)
-    assert res.returncode == 0, res.stderr[-4000:]
-    return out
+    """The worker's files, rank by rank, for FSDP1 and FSDP2."""
+    return run_strategies(WORKER, STRATEGIES, tmp_path_factory.mktemp("stopped_rank"))
 
 
 @pytest.mark.slow

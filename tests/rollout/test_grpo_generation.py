@@ -14,9 +14,8 @@ import pytest
 import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from helpers import REPO
 from helpers.keyed_sampling import CPU, EOS, PAD, PROMPTS, SAMPLING, rows_and_keys, tiny
-from helpers.procs import launch
+from helpers.procs import run_strategies
 from llmtrain.data.formats import IGNORE
 from llmtrain.rollout.local import CompletionGrid, Sampling, filter_logits, generate, pick, sample_seed
 from llmtrain.rollout.rows import training_rows
@@ -112,14 +111,15 @@ def test_training_rows():
 
 WORKER = textwrap.dedent("""
     import functools, json, sys
-    import torch, torch.distributed as dist
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
     sys.path.insert(0, sys.argv[3])  # tests/, for its helpers
     from helpers.keyed_sampling import EOS, PAD, SAMPLING, rows_and_keys, tiny
+    from helpers.workers import each_strategy
     from llmtrain.rollout.local import gathered, generate
 
-    def sample(strategy):
+    def sample(strategy, out, rank):
         model, cpu = tiny(), torch.device("cpu")
         rows, keys = rows_and_keys()
         mine = slice(rank * 6, 10) if rank else slice(0, 6)  # uneven shares: 6 and 4 rows
@@ -147,27 +147,11 @@ WORKER = textwrap.dedent("""
                    "truncated": got.truncated.tolist(), "lockstep": lockstep},
                   open(f"{out}/{strategy}-{rank}.json", "w"))
 
-    strategies, out = sys.argv[1].split(","), sys.argv[2]  # one launch: each strategy on a fresh model
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    for strategy in strategies:
-        sample(strategy)
-    dist.destroy_process_group()
+    each_strategy(sample)  # each on a fresh model
 """)
 
 
 STRATEGIES = ["fsdp2", "fsdp", "ddp"]
-
-
-@pytest.fixture(scope="module")
-def sampled(tmp_path_factory):
-    """The worker's files for every strategy, from one 2-rank launch (its start-up is most of its cost)."""
-    out = tmp_path_factory.mktemp("two_ranks")
-    script = out / "worker.py"
-    script.write_text(WORKER)
-    res = launch([script, ",".join(STRATEGIES), out, REPO / "tests"], nproc=2, timeout=300)
-    assert res.returncode == 0, res.stderr[-4000:]
-    return out
 
 
 @pytest.mark.slow
@@ -179,3 +163,9 @@ def test_two_ranks_sample_what_one_unwrapped_process_samples(sampled, strategy):
     assert ranks[0]["completions"] + ranks[1]["completions"] == as_lists(want)
     assert ranks[0]["truncated"] + ranks[1]["truncated"] == want.truncated.tolist()
     assert ranks[0]["lockstep"] == (strategy == "fsdp")
+
+
+@pytest.fixture(scope="module")
+def sampled(tmp_path_factory):
+    """The worker's files, rank by rank, for every strategy: one launch."""
+    return run_strategies(WORKER, STRATEGIES, tmp_path_factory.mktemp("two_ranks"))
