@@ -7,10 +7,16 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import procs, runs
 from helpers.export import save_baseline
 from helpers.procs import losses
+
+# One intra-op thread in the test processes, as in every process they launch (OMP_NUM_THREADS=1): the models are
+# tiny, and make test's 3 workers on 2 cores, each with 2 threads, spend their time on OpenMP barriers (a tiny
+# model's generate, measured at load 20: 0.2 s of CPU and 2 s wall on one thread, 6 s and 66 s on two).
+torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(items):

@@ -134,7 +134,7 @@ def test_converter_matches_the_export(tmp_path, fsdp2_run):
     when asked, and a bf16 conversion loads in transformers."""
     out = tmp_path / "converted"
     res = launch(["-m", "llmtrain.convert", fsdp2_run / "checkpoints" / "step_3", out, "--max-shard-size", "40KB"],
-                 torchrun=False, timeout=120)
+                 timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     assert (out / "model.safetensors.index.json").is_file()
     shards = sorted(out.glob("model-*.safetensors"))
@@ -146,10 +146,10 @@ def test_converter_matches_the_export(tmp_path, fsdp2_run):
         assert torch.equal(converted[name], tensor), name
     # An existing OUT is replaced only when asked (--overwrite), wholly: no fp32 shard is left beside the bf16 file.
     bf16 = ["-m", "llmtrain.convert", fsdp2_run / "checkpoints" / "step_3", out, "--dtype", "bf16"]
-    res = launch(bf16, torchrun=False, timeout=120)
+    res = launch(bf16, timeout=120)
     assert res.returncode == 2 and res.stderr.splitlines() == [f"error: {out} exists: pass --overwrite to replace it"]
     assert sorted(out.glob("model-*.safetensors")) == shards
-    res = launch([*bf16, "--overwrite"], torchrun=False, timeout=120)
+    res = launch([*bf16, "--overwrite"], timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     assert not list(out.glob("model-*.safetensors")) and (out / "model.safetensors").is_file()
     from transformers import AutoModelForCausalLM

@@ -24,8 +24,7 @@ from llmtrain.models import lora
 
 @pytest.mark.slow
 def test_export_of_single_process_run(tmp_path, reference_run):
-    res = launch(["-m", "llmtrain.convert", reference_run / "checkpoints" / "step_4", tmp_path], torchrun=False,
-                 timeout=120)
+    res = launch(["-m", "llmtrain.convert", reference_run / "checkpoints" / "step_4", tmp_path], timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     converted = load_file(tmp_path / "model.safetensors")
     exported = load_file(reference_run / "hf" / "model.safetensors")

@@ -50,14 +50,14 @@ def models(tmp_path_factory) -> dict[str, Path]:
 def saved(tmp_path_factory, models) -> dict[str, Path]:
     """Two 2-step runs on model a with a checkpoint at step 2: a full fine-tune and a LoRA one."""
     root = tmp_path_factory.mktemp("saved")
-    run_recipe(root / "full", *FIRST, f"model.path={models['a']}", torchrun=False)
-    run_recipe(root / "lora", *FIRST, f"model.path={models['a']}", "lora.enabled=true", torchrun=False)
+    run_recipe(root / "full", *FIRST, f"model.path={models['a']}")
+    run_recipe(root / "lora", *FIRST, f"model.path={models['a']}", "lora.enabled=true")
     return {"full": root / "full", "lora": root / "lora"}
 
 
 def resume(saved: Path, tmp_path: Path, *changes: str):
     out = Path(shutil.copytree(saved, tmp_path / "run"))
-    return run_recipe(out, *RESUME, *changes, check=False, torchrun=False)
+    return run_recipe(out, *RESUME, *changes, check=False)
 
 
 def refused(res, *wanted: str) -> str:
@@ -110,8 +110,8 @@ def test_lora_adapter_changes_are_refused_naming_the_key(saved, models, tmp_path
 def test_a_run_starting_over_in_an_earlier_runs_output_dir_says_what_it_replaces(tmp_path):
     """No checkpoint to resume from (none were written): the second run starts over, and says that it
     rewrites the first one's metrics and export, naming the way to keep them."""
-    run_recipe(tmp_path, "train.max_steps=2", torchrun=False)
-    res = run_recipe(tmp_path, "train.max_steps=1", torchrun=False)
+    run_recipe(tmp_path, "train.max_steps=2")
+    res = run_recipe(tmp_path, "train.max_steps=1")
     assert (f"note: output_dir {tmp_path} holds an earlier run's metrics.jsonl and hf/ and no checkpoint to resume "
             "from: this run starts over and replaces them (another output_dir keeps them)") in res.stdout
     assert [r["step"] for r in read_metrics(tmp_path)] == [1]

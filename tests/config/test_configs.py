@@ -4,13 +4,12 @@ how to launch it."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from helpers import RECIPE, REPO
+from helpers.procs import finish, start
 from llmtrain.config import load_config
 from llmtrain.data.__main__ import config_class
 
@@ -20,10 +19,9 @@ NOT_LLMTRAIN_CONFIG_DIRS = {"accelerate"}  # configs/accelerate/: accelerate's o
 
 @pytest.mark.slow
 def test_help_explains_usage():
-    helps = [subprocess.Popen([sys.executable, RECIPE, flag], stdout=subprocess.PIPE, text=True)  # side by side
-             for flag in ("--help", "--help-config")]
-    text, config = (proc.communicate(timeout=120)[0] for proc in helps)
-    assert [proc.returncode for proc in helps] == [0, 0]
+    helps = [finish(proc, timeout=120) for proc in [start([RECIPE, flag]) for flag in ("--help", "--help-config")]]
+    assert [res.returncode for res in helps] == [0, 0]
+    text, config = (res.stdout for res in helps)
     for words in ("torchrun --nproc_per_node=N recipes/finetune.py --config", "--help-config", "--print-config",
                   "metrics.jsonl", "python -m llmtrain.plot", "python -m llmtrain.tools.generate",
                   "python -m llmtrain.convert"):

@@ -200,7 +200,7 @@ def test_recipe_stops_with_one_line(tmp_path, truncated_model):
                   r"(?m)^error: the training data gives \d+ rows .* fewer than one step's global batch of 1000"),
     }
     procs = {name: start([REPO / "recipes" / "finetune.py", "--config", TINY, f"output_dir={tmp_path / name}",
-                          *overrides], torchrun=False) for name, (overrides, _) in cases.items()}
+                          *overrides]) for name, (overrides, _) in cases.items()}
     for name, proc in procs.items():
         res = finish(proc, timeout=120)
         assert res.returncode == 2, (name, res.stderr[-3000:])

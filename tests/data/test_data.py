@@ -290,7 +290,7 @@ def test_chat_run_with_validation_logs_val_loss(tmp_path):
 @pytest.mark.slow
 def test_inspect_cli_json(tmp_path):
     res = launch(["-m", "llmtrain.data", "--config", TINY, "--json", "--n", "2", "data.path=data/demo/instruct.jsonl",
-                  "data.format=instruction", "data.seq_len=128"], torchrun=False, timeout=120)
+                  "data.format=instruction", "data.seq_len=128"], timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     out = json.loads(res.stdout)
     assert {"samples", "num_examples", "num_tokens", "trained_tokens", "packing_efficiency", "skipped"} <= out.keys()

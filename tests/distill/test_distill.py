@@ -103,7 +103,7 @@ def test_distill_resumes_exactly_on_another_world_size(tmp_path, distill_runs, b
 @pytest.mark.slow
 def test_distill_student_equal_to_teacher_has_no_kd(tmp_path, base):
     res = run_recipe(tmp_path / "same", "model.config=null", f"model.path={base}", f"distill.teacher_path={base}",
-                     "train.max_steps=1", "distill.top_k=8", torchrun=False, script=DISTILL)
+                     "train.max_steps=1", "distill.top_k=8", script=DISTILL)
     (step,) = read_metrics(tmp_path / "same")
     assert abs(step["kd_loss"]) < 1e-6 and abs(step["loss"]) < 1e-6, res.stdout[-2000:]
 
@@ -135,7 +135,7 @@ def test_distill_bad_inputs_are_one_line_before_any_process_group(tmp_path, base
     procs = {}  # all at once: each stops in its set-up
     for i, overrides in enumerate(cases):
         args = [a for a in distill_args(base) if not a.startswith(tuple(o.split("=")[0] + "=" for o in overrides))]
-        procs[overrides] = start_recipe(tmp_path / f"bad{i}", *args, *overrides, torchrun=False, script=DISTILL)
+        procs[overrides] = start_recipe(tmp_path / f"bad{i}", *args, *overrides, script=DISTILL)
     for overrides, proc in procs.items():
         res = finish_recipe(proc, check=False)
         assert res.returncode == 2 and cases[overrides] in res.stderr, (overrides, res.stderr[-2000:])

@@ -122,8 +122,7 @@ def test_lora_student_resumes_exactly_from_two_ranks_on_one_process(tmp_path, ru
     out = tmp_path / "resumed"
     (out / "checkpoints").mkdir(parents=True)
     shutil.copytree(runs["ddp"] / "checkpoints" / "step_2", out / "checkpoints" / "step_2")
-    res = run_recipe(out, *lora_args(base, runs["student"], "parallel.strategy=none"), script=DISTILL,
-                     torchrun=False)
+    res = run_recipe(out, *lora_args(base, runs["student"], "parallel.strategy=none"), script=DISTILL)
     assert "resumed at step 2" in res.stdout
     got, want = losses_by_step(out), losses_by_step(runs["ddp"])
     assert sorted(got) == [3, 4] and [got[s] for s in (3, 4)] == pytest.approx([want[3], want[4]], abs=TOL)
@@ -162,7 +161,7 @@ def test_qlora_student_resumes_exactly_on_one_process_and_exports_as_one_process
     (out / "checkpoints").mkdir(parents=True)
     shutil.copytree(runs["qlora_fsdp2"] / "checkpoints" / "step_2", out / "checkpoints" / "step_2")
     res = run_recipe(out, *lora_args(base, runs["student"], "parallel.strategy=none", "lora.quantize_base=nf4"),
-                     script=DISTILL, torchrun=False)
+                     script=DISTILL)
     assert "resumed at step 2" in res.stdout
     got, want = losses_by_step(out), losses_by_step(runs["qlora_fsdp2"])
     assert sorted(got) == [3, 4] and [got[s] for s in (3, 4)] == pytest.approx([want[3], want[4]], abs=TOL)

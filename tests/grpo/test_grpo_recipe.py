@@ -193,7 +193,7 @@ def test_a_step_where_every_reward_is_none_says_so_and_metrics_stay_json(setup):
     tmp, config = setup
     out = tmp / "never"
     res = run_recipe(out, f"grpo.reward_funcs=[{tmp / 'rewards.py'}:never]", "train.max_steps=1", config=config,
-                     script=GRPO, torchrun=False)
+                     script=GRPO)
     assert f"step 1: every reward function ({tmp / 'rewards.py'}:never) returned None (not applicable) for all 12 " \
            "completions (prompts " in res.stdout
     (record,) = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl"))

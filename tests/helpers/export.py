@@ -1,4 +1,4 @@
-"""Exports checked in plain transformers (tests/scripts/hf_logits.py, a clean interpreter without llmtrain): the
+"""Exports checked in plain transformers (tests/scripts/hf_logits.py, an interpreter without llmtrain): the
 logits of a baseline run's export on a probe batch, and another run's export (or adapter on its base) giving
 those logits. The baseline is a run of the recipe itself (the plainest: one process, no wrapper), so a
 regression in the recipe moves it."""
@@ -25,7 +25,7 @@ def save_baseline(output_dir: Path) -> Path:
     """output_dir/hf's logits on the probe batch, saved as output_dir/probe.safetensors (returned)."""
     check_files(output_dir / "hf")
     probe = output_dir / "probe.safetensors"
-    res = launch([HF_LOGITS, "--save", output_dir / "hf", probe], torchrun=False)
+    res = launch([HF_LOGITS, "--save", output_dir / "hf", probe])
     assert res.returncode == 0, res.stderr[-5000:]
     return probe
 
@@ -35,7 +35,7 @@ def assert_export_matches(output_dir: Path, baseline: Path, lora_base: Path | No
     PeftModel.from_pretrained (one launch)."""
     check_files(output_dir / "hf")
     adapter = [output_dir / "adapter", lora_base] if lora_base else []
-    check = launch([HF_LOGITS, output_dir / "hf", baseline, *adapter], torchrun=False)
+    check = launch([HF_LOGITS, output_dir / "hf", baseline, *adapter])
     assert check.returncode == 0, check.stderr[-5000:]
     for key in ("maxdiff", "adapter_maxdiff") if lora_base else ("maxdiff",):
         diff = float(re.search(rf"\b{key}=(\S+)", check.stdout).group(1))

@@ -3,15 +3,15 @@ transformers, llmtrain): a server, started once per test process, imports them a
 launch that runs the script or module as `python` would (`__main__`, its argv, sys.path[0], environment, exit
 code, atexit), or nproc of them as the ranks torchrun --standalone would start (RANK, WORLD_SIZE, MASTER_ADDR,
 ... ; no agent: the monitor process between server and ranks stops the others once one fails and reports 1, as
-torchrun does, and passes SIGTERM / SIGINT on). helpers/launcher.py's spawn uses it for a recipe or `-m
-llmtrain.X` launched with torchrun=None and no extra environment, under the environment the server imported
-under (anything an import reads at start-up, e.g. HF_DATASETS_CACHE, would be stale otherwise: a test that
-changed it gets a new server); a test of torchrun's own part asks for torchrun=True. tests/train/test_features.py
-checks that a forked run equals a fresh process and torchrun's ranks. The run (one process) or the monitor
-(ranks) leads a session of its own (a timeout kills the group, as for a fresh process); output goes to pipes
-created by the caller, passed over the server's Unix socket.
+torchrun does, and passes SIGTERM / SIGINT on). helpers/launcher.py's spawn uses it for a recipe, `-m
+llmtrain.X` or a worker script launched with torchrun=None and no extra environment, under the environment the
+server imported under (anything an import reads at start-up, e.g. HF_DATASETS_CACHE, would be stale otherwise: a
+test that changed it gets a new server); a test of torchrun's own part asks for torchrun=True.
+tests/train/test_features.py checks that a forked run equals a fresh process and torchrun's ranks. The run (one
+process) or the monitor (ranks) leads a session of its own (a timeout kills the group, as for a fresh process);
+output goes to pipes created by the caller, passed over the server's Unix socket.
 
-    python tests/helpers/forkserver.py SOCKET      # the server (launcher.py starts it)
+    python tests/helpers/forkserver.py SOCKET MODULE...     # the server, importing MODULEs (launcher.py starts it)
 """
 
 from __future__ import annotations
@@ -33,14 +33,15 @@ import traceback
 VOLATILE = ("PYTEST_CURRENT_TEST",)
 PRELOAD = ("torch", "transformers", "llmtrain.recipes", "llmtrain.recipes.sft", "llmtrain.recipes.dpo",
            "llmtrain.recipes.grpo", "llmtrain.recipes.distill")
+CLEAN = ("torch", "transformers")  # a clean server's: for workers that must run without llmtrain imported
 
 
-def serve(path: str) -> None:
-    """Import PRELOAD, then fork a monitor per request: {"argv": [script or -m module, args...], "cwd": ...,
+def serve(path: str, preload: list[str]) -> None:
+    """Import `preload`, then fork a monitor per request: {"argv": [script or -m module, args...], "cwd": ...,
     "env": {...}} with two descriptors (stdout, stderr) passed along."""
     import importlib
 
-    for name in PRELOAD:
+    for name in preload:
         importlib.import_module(name)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # monitors are reaped by the kernel
     listener = socket.socket(socket.AF_UNIX)
@@ -167,13 +168,13 @@ def _without(environ: dict, keys: tuple[str, ...]) -> dict:
 class Server:
     """The client's side: the server process, started on first use, and the environment it imported under."""
 
-    def __init__(self, cwd: str, environ: dict):
+    def __init__(self, cwd: str, environ: dict, preload: tuple[str, ...] = PRELOAD):
         # A Unix socket's path has at most ~107 bytes: under /tmp, whatever TMPDIR is
         short = "/tmp" if os.path.isdir("/tmp") else None
         self.path = os.path.join(tempfile.mkdtemp(prefix="llmtrain-fork-", dir=short), "socket")
         self.cwd, self.environ = cwd, environ
         self.log = open(self.path + ".log", "w")  # the server writes here as long as it runs
-        self.proc = subprocess.Popen([sys.executable, __file__, self.path], cwd=cwd, env=environ,
+        self.proc = subprocess.Popen([sys.executable, __file__, self.path, *preload], cwd=cwd, env=environ,
                                      stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log, start_new_session=True)
         atexit.register(self.stop)
         deadline = time.monotonic() + 120
@@ -277,4 +278,4 @@ class Forked:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(sys.argv[1], sys.argv[2:])

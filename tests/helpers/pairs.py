@@ -21,17 +21,6 @@ DPO = REPO / "recipes" / "dpo.py"
 PAIRS = REPO / "data" / "demo" / "preference.jsonl"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Autouse in the test modules that import it. These models are tiny: a second intra-op thread only adds
-    synchronisation, which on a busy machine costs seconds per test (measured: 0.3 s on one thread, 7 s on two, at
-    load 10 on 2 cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def dpo_args(base: Path, *extra: str) -> list[str]:
     return ["model.config=null", f"model.path={base}", f"data.path={PAIRS}", "data.format=preference",
             "train.max_steps=3", *extra]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import RECIPE, TINY, launcher
+from helpers import RECIPE, REPO, TINY, launcher
 from llmtrain.run.failures import launcher_children
 
 BIN = launcher.BIN  # where torchrun, lm_eval, accelerate are
@@ -28,7 +28,8 @@ def start(args: list[str], nproc: int = 1, env: dict | None = None, torchrun: bo
           torchrun_args: tuple[str, ...] = ()) -> subprocess.Popen:
     """Start `args` (a script and its arguments) under torchrun with nproc processes, or plain python, or as
     children of the fork server (launcher.spawn), in its own process group (so a timeout can kill everything it
-    started). torchrun=True for a test of torchrun's own part (its agent, worker_pids)."""
+    started). torchrun=True for a test of torchrun's own part (its agent, worker_pids); torchrun=False for a fresh
+    interpreter (a worker that must not have llmtrain imported, or measures its own process)."""
     if not running_slow_test:
         pytest.fail("this test starts processes: mark it @pytest.mark.slow (make test-fast runs none)")
     return launcher.spawn(args, nproc, torchrun, torchrun_args, env)
@@ -49,6 +50,16 @@ def launch(args: list[str], nproc: int = 1, timeout: float = 240, env: dict | No
 def worker_pids(launcher_pid: int) -> dict[int, int]:
     """{rank: pid} of the training processes below a torchrun process."""
     return launcher_children(launcher_pid)
+
+
+def run_strategies(worker: str, strategies: list[str], out: Path) -> Path:
+    """A 2-rank worker written out (its source: `python worker.py STRATEGIES OUT TESTS`), run once for every
+    strategy (its start-up is most of its cost); returns `out`, where it wrote its files."""
+    script = out / "worker.py"
+    script.write_text(worker)
+    res = launch([script, ",".join(strategies), out, REPO / "tests"], nproc=2, timeout=300)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return out
 
 
 def wait_for_step(output_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> int:

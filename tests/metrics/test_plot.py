@@ -108,6 +108,6 @@ def test_plot_draws_every_key_grpo_logs_under_its_own_titles(tmp_path):
 @pytest.mark.slow
 def test_plot_cli(reference_run, tmp_path):
     out = reference_run
-    res = launch(["-m", "llmtrain.plot", out, "--out", tmp_path / "c.png"], torchrun=False, timeout=120)
+    res = launch(["-m", "llmtrain.plot", out, "--out", tmp_path / "c.png"], timeout=120)
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"

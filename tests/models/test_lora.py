@@ -162,7 +162,7 @@ def test_lora_resume_refuses_another_base_or_lora_off(tmp_path, lora_runs, base)
     weights = load_file(other / "model.safetensors")
     weights["model.norm.weight"] += 1  # same names, shapes and sizes: only the bytes differ
     save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
-    res = run_recipe(tmp_path / "run", *lora_args(other, f"checkpoint.resume={ckpt}"), check=False, torchrun=False)
+    res = run_recipe(tmp_path / "run", *lora_args(other, f"checkpoint.resume={ckpt}"), check=False)
     assert res.returncode == 2 and "was trained on the base" in res.stderr, res.stderr[-2000:]
     with pytest.raises(ConfigError, match="holds LoRA adapters only; set lora.enabled=true"):
         lora.check_resume(ckpt, json.loads((ckpt / "trainer_state.json").read_text())["base"], {})  # LoRA off
@@ -179,7 +179,7 @@ def test_lora_modules_to_save_and_init_from_round_trip(tmp_path, lora_runs, base
     baseline = save_baseline(first)  # the merged export's logits
     assert_export_matches(first, baseline, lora_base=base)
     run_recipe(second, *lora_args(base, *MODULES_TO_SAVE[:1], f"lora.init_from={first / 'adapter'}",
-                                  "train.lr=1e-30", "train.max_steps=1", "lora.export=adapter"), torchrun=False)
+                                  "train.lr=1e-30", "train.max_steps=1", "lora.export=adapter"))
     assert not (second / "hf").exists() and (second / "adapter").is_dir()
     probe = load_file(baseline)
     with torch.no_grad():
@@ -230,7 +230,7 @@ def test_lora_periodic_exports_match_the_converter_and_the_final_export(tmp_path
     what the converter makes offline (one process, onto model.path's base) from checkpoints/step_2;
     step_4 (= max_steps) equals the final export; PEFT's adapter/step_2 on the base gives hf/step_2's logits."""
     run = lora_runs["fsdp"]
-    res = launch(["-m", "llmtrain.convert", run / "checkpoints" / "step_2", tmp_path], torchrun=False, timeout=120)
+    res = launch(["-m", "llmtrain.convert", run / "checkpoints" / "step_2", tmp_path], timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     for sub, name in (("adapter", lora.ADAPTER_WEIGHTS), ("hf", "model.safetensors")):
         for got, want in ((tmp_path / sub, run / sub / "step_2"), (run / sub / "step_4", run / sub)):

@@ -175,12 +175,13 @@ def test_fsdp2_bf16_compute_on_the_nf4_base_runs(two_ranks):
 def test_quantizing_after_loading_does_not_raise_the_host_peak(tmp_path):
     """One process each (ru_maxrss is per process): building the QLoRA model peaks no higher than building
     the LoRA one, and afterwards holds the bytes NF4 saved less."""
-    from helpers.procs import launch
+    from helpers.procs import finish, start
 
-    seen = {}
-    for mode in ("none", "nf4"):
-        proc = launch([SCRIPTS / "qlora_memory.py", mode, tmp_path / f"{mode}.json"], torchrun=False, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-4000:]
+    seen, procs = {}, {mode: start([SCRIPTS / "qlora_memory.py", mode, tmp_path / f"{mode}.json"], torchrun=False)
+                       for mode in ("none", "nf4")}  # side by side
+    for mode, proc in procs.items():
+        res = finish(proc, timeout=300)
+        assert res.returncode == 0, res.stderr[-4000:]
         seen[mode] = json.loads((tmp_path / f"{mode}.json").read_text())
     saved = seen["nf4"]["base_bytes_fp32"] - seen["nf4"]["base_bytes_nf4"]
     assert seen["nf4"]["peak"] <= seen["none"]["peak"] + (4 << 20), seen
@@ -300,7 +301,7 @@ def test_qlora_resumes_exactly_on_another_world_size_and_refuses_other_quantizat
         out = tmp_path / name
         (out / "checkpoints").mkdir(parents=True)
         shutil.copytree(ckpt, out / "checkpoints" / "step_2")
-        procs[name] = start_recipe(out, *qlora_args(base, "parallel.strategy=none", *extra), torchrun=False)
+        procs[name] = start_recipe(out, *qlora_args(base, "parallel.strategy=none", *extra))
     results = {name: finish_recipe(proc, check=name == "resume") for name, proc in procs.items()}
     assert "resumed at step 2" in results["resume"].stdout
     full, got = losses_by_step(qlora_runs["fsdp2"]), losses_by_step(tmp_path / "resume")
@@ -334,7 +335,7 @@ def test_qlora_exports_load_generate_and_equal_the_converter(tmp_path, qlora_run
     from llmtrain.models.hf import load_tokenizer
 
     run = qlora_runs["none"]
-    res = launch(["-m", "llmtrain.convert", run / "checkpoints" / "step_4", tmp_path], torchrun=False, timeout=120)
+    res = launch(["-m", "llmtrain.convert", run / "checkpoints" / "step_4", tmp_path], timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     merged, converted = load_file(run / "hf" / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
     twin = load_file(qlora_runs["dequantized"] / "hf" / "model.safetensors")

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from helpers import REPO, TINY
-from helpers.pairs import assert_splits_match_the_whole_batch, one_thread, tiny_model  # noqa: F401 (autouse)
+from helpers.pairs import assert_splits_match_the_whole_batch, tiny_model
 from helpers.procs import losses_by_step, read_metrics, run_recipe, run_side_by_side
 from llmtrain import data
 from llmtrain.config import ConfigError, DataConfig

@@ -19,8 +19,8 @@ from llmtrain.config import ConfigError, DataConfig
 from llmtrain.data.formats import IGNORE
 from llmtrain.data.preference import collate_pairs, encode_preference
 from llmtrain.losses import preference as pl
-from helpers.pairs import (DPO, assert_splits_match_the_whole_batch, dpo_args, first_batch, logsig,  # noqa: F401
-                           one_thread, plain_logps, random_batch, sequence_logps, tiny_model)  # one_thread: autouse
+from helpers.pairs import (DPO, assert_splits_match_the_whole_batch, dpo_args, first_batch, logsig, plain_logps,
+                           random_batch, sequence_logps, tiny_model)
 
 TOL = 1e-5
 # (loss, cpo_loss_type, beta, label_smoothing, gamma, cpo_alpha)

@@ -11,8 +11,7 @@ import torch
 from transformers import AutoTokenizer
 
 from helpers import REPO, TINY
-from helpers.pairs import (assert_splits_match_the_whole_batch, logsig, one_thread, plain_logps,  # noqa: F401
-                           random_batch, tiny_model)  # one_thread: an autouse fixture
+from helpers.pairs import assert_splits_match_the_whole_batch, logsig, plain_logps, random_batch, tiny_model
 from llmtrain.config import ConfigError, DataConfig, load_config
 from llmtrain.data.formats import DEFAULT_CHAT_TEMPLATE, IGNORE, BadRecord, prepare_tokenizer
 from llmtrain.data.preference import Pair, collate_pairs, encode_preference, truncate

@@ -12,10 +12,11 @@ import textwrap
 import pytest
 import torch
 
-from helpers import REPO
 from helpers.compaction import CPU, KEYS, MAX, PAD, ROWS, model_and_eos
-from helpers.procs import launch
+from helpers.procs import run_strategies
 from llmtrain.rollout.local import Sampling, filter_logits, generate
+
+STRATEGIES = ["fsdp", "fsdp2"]  # lockstep decoding, and not
 
 @pytest.mark.parametrize("sampling", [Sampling(MAX), Sampling(MAX, temperature=0.7), Sampling(MAX, temperature=1.6),
                                       Sampling(MAX, temperature=0.9, top_k=8), Sampling(MAX, top_p=0.8),
@@ -55,52 +56,54 @@ def test_logps_are_the_sampling_distributions():
 
 WORKER = textwrap.dedent("""
     import functools, json, sys
-    import torch, torch.distributed as dist
+    import torch
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
     sys.path.insert(0, sys.argv[3])  # tests/, for its helpers
     from helpers.compaction import CPU, KEYS, MAX, PAD, ROWS, model_and_eos
+    from helpers.workers import each_strategy
     from llmtrain.rollout.local import Sampling, generate
 
-    strategy, out = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    model, eos = model_and_eos()
-    # Rank 0 gets the rows that stop first, rank 1 those that run to MAX.
-    order = generate(model, ROWS, KEYS, Sampling(MAX), eos, PAD, CPU).lengths.argsort(stable=True).tolist()
-    mine = order[:4] if rank == 0 else order[-4:]
-    if strategy == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model, reshard_after_forward=False)
-    else:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-        from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
-        model = FullyShardedDataParallel(model, auto_wrap_policy=functools.partial(
-            transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer}), use_orig_params=True,
-            device_id=CPU)
-    forwards = []
-    model.register_forward_hook(lambda m, a, k, o: forwards.append(k["input_ids"].shape[0]), with_kwargs=True)
-    got = generate(model, [ROWS[i] for i in mine], [KEYS[i] for i in mine], Sampling(MAX), eos, PAD, CPU)
-    json.dump({"rows": mine, "completions": [r[:n].tolist() for r, n in zip(got.ids, got.lengths)],
-               "forwards": forwards}, open(f"{out}/{strategy}-{rank}.json", "w"))
-    dist.destroy_process_group()
+    def run(strategy, out, rank):
+        model, eos = model_and_eos()
+        # Rank 0 gets the rows that stop first, rank 1 those that run to MAX.
+        order = generate(model, ROWS, KEYS, Sampling(MAX), eos, PAD, CPU).lengths.argsort(stable=True).tolist()
+        mine = order[:4] if rank == 0 else order[-4:]
+        if strategy == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model, reshard_after_forward=False)
+        else:
+            from torch.distributed.fsdp import FullyShardedDataParallel
+            from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+            model = FullyShardedDataParallel(model, auto_wrap_policy=functools.partial(
+                transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer}), use_orig_params=True,
+                device_id=CPU)
+        forwards = []
+        model.register_forward_hook(lambda m, a, k, o: forwards.append(k["input_ids"].shape[0]), with_kwargs=True)
+        got = generate(model, [ROWS[i] for i in mine], [KEYS[i] for i in mine], Sampling(MAX), eos, PAD, CPU)
+        json.dump({"rows": mine, "completions": [r[:n].tolist() for r, n in zip(got.ids, got.lengths)],
+                   "forwards": forwards}, open(f"{out}/{strategy}-{rank}.json", "w"))
+
+    each_strategy(run)  # each on a fresh model
 """)
 
 
+@pytest.fixture(scope="module")
+def stopped_rank(tmp_path_factory):
+    """The worker's files, rank by rank, for FSDP1 and FSDP2."""
+    return run_strategies(WORKER, STRATEGIES, tmp_path_factory.mktemp("stopped_rank"))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
-def test_a_rank_whose_rows_all_stopped(tmp_path, strategy):
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_rank_whose_rows_all_stopped(stopped_rank, strategy):
     """FSDP1 (lockstep): the rank whose rows all stopped feeds one padding row for as many forwards as the
     other runs; FSDP2: it stops at its own last token. Both: batches shrink and the completions are the
     unwrapped process's."""
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    res = launch([script, strategy, tmp_path, REPO / "tests"], nproc=2, timeout=300)
-    assert res.returncode == 0, res.stderr[-4000:]
     model, eos = model_and_eos()
     want = generate(model, ROWS, KEYS, Sampling(MAX), eos, PAD, CPU)
-    ranks = [json.loads((tmp_path / f"{strategy}-{r}.json").read_text()) for r in (0, 1)]
+    ranks = [json.loads((stopped_rank / f"{strategy}-{r}.json").read_text()) for r in (0, 1)]
     for r in ranks:
         assert r["completions"] == [want.ids[i, :want.lengths[i]].tolist() for i in r["rows"]]
     early, late = (r["forwards"] for r in ranks)

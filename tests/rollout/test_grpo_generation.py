@@ -14,9 +14,8 @@ import pytest
 import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from helpers import REPO
 from helpers.keyed_sampling import CPU, EOS, PAD, PROMPTS, SAMPLING, rows_and_keys, tiny
-from helpers.procs import launch
+from helpers.procs import run_strategies
 from llmtrain.data.formats import IGNORE
 from llmtrain.rollout.local import CompletionGrid, Sampling, filter_logits, generate, pick, sample_seed
 from llmtrain.rollout.rows import training_rows
@@ -112,56 +111,61 @@ def test_training_rows():
 
 WORKER = textwrap.dedent("""
     import functools, json, sys
-    import torch, torch.distributed as dist
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
     sys.path.insert(0, sys.argv[3])  # tests/, for its helpers
     from helpers.keyed_sampling import EOS, PAD, SAMPLING, rows_and_keys, tiny
+    from helpers.workers import each_strategy
     from llmtrain.rollout.local import gathered, generate
 
-    strategy, out = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model, cpu = tiny(), torch.device("cpu")
-    rows, keys = rows_and_keys()
-    mine = slice(rank * 6, 10) if rank else slice(0, 6)  # uneven shares: 6 and 4 rows
-    if strategy == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model, reshard_after_forward=False)  # as llmtrain keeps the root gathered
-    elif strategy == "fsdp":
-        from torch.distributed.fsdp import FullyShardedDataParallel
-        from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
-        model = FullyShardedDataParallel(model, auto_wrap_policy=functools.partial(
-            transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer}), use_orig_params=True,
-            device_id=cpu)
-    elif strategy == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(model)
-    got = generate(model, rows[mine], keys[mine], SAMPLING, EOS, PAD, cpu)
-    with torch.no_grad(), gathered(model) as (module, lockstep):
-        if not lockstep:  # no collective in a forward: rank 1 running 3 more must not hang
-            for _ in range(1 + 3 * rank):
-                module(input_ids=torch.tensor([rows[0]]), use_cache=False)
-    # training goes on: a forward and backward, collective under FSDP, then the same parameters everywhere
-    model(input_ids=torch.tensor([rows[0]]), use_cache=False).logits.sum().backward()
-    json.dump({"completions": [r[:n].tolist() for r, n in zip(got.ids, got.lengths)],
-               "truncated": got.truncated.tolist(), "lockstep": lockstep},
-              open(f"{out}/{strategy}-{rank}.json", "w"))
-    dist.destroy_process_group()
+    def sample(strategy, out, rank):
+        model, cpu = tiny(), torch.device("cpu")
+        rows, keys = rows_and_keys()
+        mine = slice(rank * 6, 10) if rank else slice(0, 6)  # uneven shares: 6 and 4 rows
+        if strategy == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model, reshard_after_forward=False)  # as llmtrain keeps the root gathered
+        elif strategy == "fsdp":
+            from torch.distributed.fsdp import FullyShardedDataParallel
+            from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+            model = FullyShardedDataParallel(model, auto_wrap_policy=functools.partial(
+                transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer}), use_orig_params=True,
+                device_id=cpu)
+        elif strategy == "ddp":
+            model = torch.nn.parallel.DistributedDataParallel(model)
+        got = generate(model, rows[mine], keys[mine], SAMPLING, EOS, PAD, cpu)
+        with torch.no_grad(), gathered(model) as (module, lockstep):
+            if not lockstep:  # no collective in a forward: rank 1 running 3 more must not hang
+                for _ in range(1 + 3 * rank):
+                    module(input_ids=torch.tensor([rows[0]]), use_cache=False)
+        # training goes on: a forward and backward, collective under FSDP, then the same parameters everywhere
+        model(input_ids=torch.tensor([rows[0]]), use_cache=False).logits.sum().backward()
+        json.dump({"completions": [r[:n].tolist() for r, n in zip(got.ids, got.lengths)],
+                   "truncated": got.truncated.tolist(), "lockstep": lockstep},
+                  open(f"{out}/{strategy}-{rank}.json", "w"))
+
+    each_strategy(sample)  # each on a fresh model
 """)
 
 
+STRATEGIES = ["fsdp2", "fsdp", "ddp"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp", "ddp"])
-def test_two_ranks_sample_what_one_unwrapped_process_samples(tmp_path, strategy):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    res = launch([script, strategy, tmp_path, REPO / "tests"], nproc=2, timeout=300)
-    assert res.returncode == 0, res.stderr[-4000:]
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_two_ranks_sample_what_one_unwrapped_process_samples(sampled, strategy):
     rows, keys = rows_and_keys()
     want = generate(tiny(), rows, keys, SAMPLING, EOS, PAD, CPU)
-    ranks = [json.loads((tmp_path / f"{strategy}-{r}.json").read_text()) for r in (0, 1)]
+    ranks = [json.loads((sampled / f"{strategy}-{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["completions"] + ranks[1]["completions"] == as_lists(want)
     assert ranks[0]["truncated"] + ranks[1]["truncated"] == want.truncated.tolist()
     assert ranks[0]["lockstep"] == (strategy == "fsdp")
+
+
+@pytest.fixture(scope="module")
+def sampled(tmp_path_factory):
+    """The worker's files, rank by rank, for every strategy: one launch."""
+    return run_strategies(WORKER, STRATEGIES, tmp_path_factory.mktemp("two_ranks"))

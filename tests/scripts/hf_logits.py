@@ -1,7 +1,8 @@
-"""In a clean interpreter (no llmtrain import): load an exported directory with transformers and compute its
-logits on a fixed probe batch. With --save, write them to PROBE (a baseline: input_ids and logits); otherwise
-print the max |logit difference| against the baseline in PROBE and, given a PEFT adapter directory and its
-base, also that of the base with the adapter loaded by PeftModel.from_pretrained (adapter_maxdiff=).
+"""In a clean interpreter (no llmtrain import; tests/helpers/launcher.py forks it from a server that imported torch
+and transformers only): load an exported directory with transformers and compute its logits on a fixed probe
+batch. With --save, write them to PROBE (a baseline: input_ids and logits); otherwise print the max |logit
+difference| against the baseline in PROBE and, given a PEFT adapter directory and its base, also that of the base
+with the adapter loaded by PeftModel.from_pretrained (adapter_maxdiff=).
 Usage: hf_logits.py --save HF_DIR PROBE | hf_logits.py HF_DIR PROBE [ADAPTER_DIR BASE_DIR]"""
 
 import sys
@@ -10,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+assert not any(m.split(".")[0] == "llmtrain" for m in sys.modules), "llmtrain is imported"
 save = sys.argv[1] == "--save"
 args = sys.argv[2:] if save else sys.argv[1:]
 hf_dir, probe_path = args[:2]

@@ -42,7 +42,7 @@ def export_results(tiny_run, tmp_path_factory) -> dict:
     """llmtrain.eval on the export, in a process of its own as a user runs it."""
     out = tmp_path_factory.mktemp("eval_results") / "export.json"
     res = launch(["-m", "llmtrain.eval", "--model", tiny_run / "hf", "--tasks", DEMO_TASKS, "--limit", LIMIT,
-                  "--device", "cpu", "--output", out], torchrun=False)
+                  "--device", "cpu", "--output", out])
     assert res.returncode == 0, res.stderr[-3000:]
     assert "demo_facts" in res.stdout and "demo_recall" in res.stdout  # the table
     return json.loads(out.read_text())

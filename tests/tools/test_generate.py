@@ -15,7 +15,7 @@ def test_generate_cli_matches_transformers(reference_run):
 
     out = reference_run  # its export: out / "hf"
     res = launch(["-m", "llmtrain.tools.generate", "--model", out / "hf", "--prompt", "Hello there", "--chat",
-                  "--max-new-tokens", "8"], torchrun=False, timeout=120)
+                  "--max-new-tokens", "8"], timeout=120)
     assert res.returncode == 0, res.stderr
     model, tok = generate.load(str(out / "hf"), "cpu")
     inputs = generate.build_inputs(tok, "Hello there", chat=True)

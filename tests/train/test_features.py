@@ -40,17 +40,12 @@ def test_option_keeps_losses_exact(tmp_path, reference, name):
 
 
 @pytest.mark.slow
-def test_plain_python_without_torchrun_is_the_same_run(tmp_path, reference):
-    run_recipe(tmp_path, "parallel.strategy=none", torchrun=False)
-    assert losses(tmp_path) == pytest.approx(reference, abs=TOL)
-
-
-@pytest.mark.slow
 def test_a_run_forked_by_the_tests_fork_server_is_a_fresh_process(tmp_path, reference, two_rank_losses):
     """The tests' launches of llmtrain's entry points run as children of helpers/forkserver.py (imports done
     once; several ranks without torchrun's agent): the same losses, bit for bit, as `python recipes/finetune.py`
-    in a fresh interpreter and as torchrun's 2 ranks (the shared reference and 2-rank runs were forked); the same
-    output and exit status for a bad key. All started at once: each fresh process spends seconds importing."""
+    in a fresh interpreter (plain python without torchrun: the same run) and as torchrun's 2 ranks (the shared
+    reference and 2-rank runs were forked); the same output and exit status for a bad key. All started at once:
+    each fresh process spends seconds importing."""
     fresh = launcher.start(launcher.command([RECIPE, "--config", TINY, f"output_dir={tmp_path / 'one'}",
                                              "parallel.strategy=none"]))
     assert isinstance(fresh, launcher.subprocess.Popen)
