@@ -7,7 +7,8 @@ TORCH ?= torch==2.13.0
 NPROC ?= 2
 # make test's pytest workers: test modules are spread over them whole (--dist loadfile), so a module's
 # fixtures run once, the longest first (tests/conftest.py orders them). 2 or 3 workers took about the same time
-# (1096 s vs 1078 s, tests/README.md), measured while the test processes still computed on 2 threads each.
+# (1096 s vs 1078 s, tests/README.md) while the test processes still computed on 2 threads each; with one thread
+# each, 3 workers: 721 s idle.
 TEST_WORKERS ?= 3
 BIN := $(VENV)/bin
 
