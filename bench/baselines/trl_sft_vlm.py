@@ -1,7 +1,9 @@
 """The comparison point of bench/run.py's `vlm` benchmark: TRL's SFTTrainer on image chat data (its
 DataCollatorForVisionLanguageModeling, assistant_only_loss=True), with the same model directory, processor,
-records, micro-batch, ranks and frozen vision tower as the recipe; TRL defaults otherwise. Runs in TRL's own
-virtual environment (bench/run.py --trl-venv).
+records, micro-batch, ranks and frozen vision tower as the recipe, fp32; TRL defaults otherwise, except two that
+TRL changes from TrainingArguments and that would make the comparison unequal: gradient checkpointing and bf16 (on
+a CPU, bf16 matmuls are emulated), both on in TRL, off here as in the recipe. Runs in TRL's own virtual environment
+(bench/run.py --trl-venv).
 
     torchrun --standalone --nproc_per_node=2 bench/baselines/trl_sft_vlm.py --config CONFIG.yaml \
         --data data/demo/vlm/train.jsonl --steps 20 --warmup 5 --output-dir DIR --out result.json
@@ -42,7 +44,7 @@ def main() -> None:
     ds = load_dataset("json", data_files=args.data, split="train")
     ds = ds.map(lambda r: {"images": [str(folder / p) for p in r["images"]]}).cast_column("images", List(Image()))
     sft = SFTConfig(**training_kwargs(cfg, args), max_length=cfg["data"]["seq_len"], assistant_only_loss=True,
-                    dataset_num_proc=1)
+                    dataset_num_proc=1, gradient_checkpointing=False, bf16=False)
     trainer = CountingSFTTrainer(model=model, args=sft, train_dataset=ds, processing_class=processor)
     train_and_report(trainer, args, {"trl": trl.__version__, "gradient_checkpointing": sft.gradient_checkpointing,
                                      "bf16": sft.bf16, "optim": str(sft.optim),

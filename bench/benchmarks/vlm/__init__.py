@@ -63,8 +63,9 @@ def bench(ctx: Ctx) -> dict:
         f"micro-batch {SETTINGS['train']['micro_batch_size']}, 2 ranks gloo, ddp. Both sides train the same tokens "
         f"per step: {t.same_tokens}. The recipe: fp32, train.loss_impl=chunked, rows padded per micro-batch. TRL "
         f"{b['trl']} SFTTrainer (assistant_only_loss=True, DataCollatorForVisionLanguageModeling): gradient "
-        f"checkpointing {b['gradient_checkpointing']}, bf16={b['bf16']} (TRL's defaults), optimizer {b['optim']}, "
-        f"attention {b['attn_implementation']}, {b['wrapper']}, in its own venv ({ctx.trl_venv_shown}). {steps} "
+        f"checkpointing {b['gradient_checkpointing']}, bf16={b['bf16']} (TRL turns both on by default), optimizer "
+        f"{b['optim']}, attention {b['attn_implementation']}, {b['wrapper']}, in its own venv ({ctx.trl_venv_shown}). "
+        f"{steps} "
         f"steps, the first {warmup} left out; time from rank 0 at the end of each step. Peak memory: peak RSS of "
         "the process, max over ranks.")
     return {"title": "Image chat SFT vs TRL SFTTrainer (tiny Qwen2.5-VL, vocabulary 151,936)", "table": text,
