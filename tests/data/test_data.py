@@ -136,10 +136,10 @@ def test_packed_document_sees_only_itself(tok, attn):
     torch.testing.assert_close(packed[len(a):len(a) + len(b)], alone_b, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("chunk_rows", [1024, 5])  # 37 positions: 4 query chunks; past 4 x 5: by example (long rows)
-def test_chunked_sdpa_matches_sdpa_on_packed_rows(tok, monkeypatch, chunk_rows):
+@pytest.mark.parametrize("long_rows", [4096, 20])  # 37 positions: 4 query chunks; past 20: by example (long rows)
+def test_chunked_sdpa_matches_sdpa_on_packed_rows(tok, monkeypatch, long_rows):
     """The query chunks of llmtrain's sdpa give transformers' sdpa numbers, forward and backward."""
-    monkeypatch.setattr(attention, "CHUNK_ROWS", chunk_rows)
+    monkeypatch.setattr(attention, "LONG_ROWS", long_rows)
     texts = ["the red ball is here", "three plus four is seven", "a cat", "the blue box is big and red"]
     examples = [(ids, ids, True) for ids in (tok(t)["input_ids"] for t in texts * 3)]
     rows, _ = to_rows(examples, 37, tok.pad_token_id, packing=True)  # 37: uneven chunks
@@ -164,23 +164,23 @@ def test_chunked_sdpa_matches_sdpa_on_packed_rows(tok, monkeypatch, chunk_rows):
 
 def test_long_packed_rows_keep_no_mask_for_the_backward_pass(tok, monkeypatch):
     """Given a mask, SDPA keeps an fp32 copy of it per layer for the backward pass (quadratic in the row); rows
-    past 4 x CHUNK_ROWS are attended example by example under is_causal: nothing of [positions x positions]."""
+    past LONG_ROWS are attended example by example under is_causal: nothing of [positions x positions]."""
     length = 48
     pos = torch.cat([torch.arange(n) for n in (20, 17, 11)])[None]
     ids = torch.randint(0, len(tok), (1, length), generator=torch.Generator().manual_seed(0))
     saved = []
 
-    def forward_saves(chunk_rows: int) -> list[tuple]:
-        monkeypatch.setattr(attention, "CHUNK_ROWS", chunk_rows)
+    def forward_saves(long_rows: int) -> list[tuple]:
+        monkeypatch.setattr(attention, "LONG_ROWS", long_rows)
         saved.clear()
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
             small_llama(tok, attention.NAME)(input_ids=ids, position_ids=pos, use_cache=False)
         return [s for s in saved if len(s) == 4 and s[-1] > 8]  # [.., queries, keys], not [.., positions, head_dim 8]
-    assert forward_saves(1024)  # 4 query chunks under masks: kept for the backward pass
-    assert forward_saves(8) == []
+    assert forward_saves(4096)  # 4 query chunks under masks: kept for the backward pass
+    assert forward_saves(32) == []
     # nor is the whole [positions x positions] mask built: transformers gets an empty marker
     assert attention.long_rows_mask(1, length, length).shape == (1, 1, 0, 0)
-    monkeypatch.setattr(attention, "CHUNK_ROWS", 1024)
+    monkeypatch.setattr(attention, "LONG_ROWS", 4096)
     assert attention.long_rows_mask(1, length, length, allow_is_causal_skip=False).shape == (1, 1, length, length)
 
 

@@ -76,8 +76,8 @@ for family, make in FAMILIES.items():
     cases = [(impl, length, packed) for impl in ("full", "chunked") for length, packed in ((64, True), (63, False))]
     losses = {"": lambda model, token_loss, batch: token_loss.loss_sum(model, batch), "logps/": logps_loss}
     for impl, length, packed in cases + [("chunked", 64, "by_example"), ("chunked", 64, "recompute")]:
-        # by_example: rows past 4 x CHUNK_ROWS positions are attended example by example (attention.segmented_sdpa)
-        attention.CHUNK_ROWS = 8 if packed == "by_example" else 1024
+        # by_example: rows past LONG_ROWS positions are attended example by example (attention.segmented_sdpa)
+        attention.LONG_ROWS = 32 if packed == "by_example" else 4096
         if packed == "recompute":
             apply_activation_checkpointing(model)
         batch = rows(length, packed is not False)
