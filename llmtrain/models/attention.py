@@ -73,11 +73,13 @@ def segmented_sdpa(query, key, value, segments: torch.Tensor, dropout: float, sc
     in every layer: quadratic in the row); -> [batch, q_len, heads, dim]. What a varlen flash kernel does."""
     key, value, gqa = kernel_kv(query, key, value)
     rows = []
-    for r in range(query.shape[0]):
-        bounds = [0, *torch.unique_consecutive(segments[r], return_counts=True)[1].cumsum(0).tolist()]
-        rows.append(torch.cat([F.scaled_dot_product_attention(
-            query[r:r + 1, :, a:b], key[r:r + 1, :, a:b], value[r:r + 1, :, a:b], dropout_p=dropout, is_causal=True,
-            scale=scaling, enable_gqa=gqa) for a, b in zip(bounds, bounds[1:])], dim=2))
+    # split, not a slice per example: a slice's gradient is a zero-filled tensor of the whole row, one per
+    # example (time and transient memory quadratic in the row); split's gradient is one concatenation
+    for r, row in enumerate(zip(query.split(1), key.split(1), value.split(1))):
+        sizes = torch.unique_consecutive(segments[r], return_counts=True)[1].tolist()
+        rows.append(torch.cat([F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
+                                                              scale=scaling, enable_gqa=gqa)
+                               for q, k, v in zip(*(t.split(sizes, dim=2) for t in row))], dim=2))
     return torch.cat(rows).transpose(1, 2).contiguous()
 
 
