@@ -45,8 +45,8 @@ def run(cmd: list, timeout: float, env: dict | None = None, log: Path | None = N
 
 
 def torchrun(args: list, nproc: int = 2, timeout: float = 600, env: dict | None = None,
-             log: Path | None = None) -> tuple[str, float]:
-    return run(launcher.command(args, nproc), timeout, env, log)
+             log: Path | None = None, bindir: Path | None = None) -> tuple[str, float]:
+    return run(launcher.command(args, nproc, bindir=bindir), timeout, env, log)
 
 
 def read_metrics(output_dir: Path) -> list[dict]:

@@ -139,11 +139,7 @@ def recipe_vs_trl(ctx: Ctx, name: str, recipe: Path, shape: Path, driver: str, s
         out = work / f"recipe_{i}"
         args = [recipe, "--config", cfg, f"output_dir={out}", f"train.max_steps={steps}", "log.every_steps=1",
                 "log.progress=false", "checkpoint.resume=never"]
-        if in_trl_venv:
-            run([bindir / "torchrun", "--standalone", "--nproc_per_node=2", *args], TIMEOUT, None,
-                work / f"recipe_{i}.log")
-        else:
-            torchrun(args, timeout=TIMEOUT, log=work / f"recipe_{i}.log")
+        torchrun(args, timeout=TIMEOUT, log=work / f"recipe_{i}.log", bindir=bindir if in_trl_venv else None)
         records = train_records(out)
         rate, _, _ = useful_tokens_per_sec(records, warmup)
         tokens = [r["trained_tokens"] for r in records]

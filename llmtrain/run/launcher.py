@@ -33,16 +33,17 @@ def env(extra: dict | None = None) -> dict:
 
 
 def command(args: list, nproc: int = 1, torchrun: bool | None = None,
-            torchrun_args: tuple[str, ...] = ()) -> list[str]:
+            torchrun_args: tuple[str, ...] = (), bindir: Path | None = None) -> list[str]:
     """`args` (a script or -m module and its arguments) under torchrun with nproc processes, or plain python.
     torchrun=None: torchrun for several processes or torchrun_args, plain python for one (the same run, as
-    tests/train/test_features.py checks, without the launcher's ~3 s of CPU)."""
+    tests/train/test_features.py checks, without the launcher's ~3 s of CPU). bindir: another venv's bin
+    directory to run them from (a benchmark's baseline venv); this one's by default."""
     if torchrun is None:
         torchrun = nproc > 1 or bool(torchrun_args)
     if torchrun:
-        return [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", *torchrun_args,
+        return [str((bindir or BIN) / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", *torchrun_args,
                 *map(str, args)]
-    return [sys.executable, *map(str, args)]
+    return [str(bindir / "python") if bindir else sys.executable, *map(str, args)]
 
 
 def start(cmd: list, cwd: Path, extra_env: dict | None = None, merge_stderr: bool = False) -> subprocess.Popen:

@@ -65,9 +65,8 @@ def bench(ctx: Ctx) -> dict:
         f"{b['trl']} SFTTrainer (assistant_only_loss=True, DataCollatorForVisionLanguageModeling): gradient "
         f"checkpointing {b['gradient_checkpointing']}, bf16={b['bf16']} (TRL turns both on by default), optimizer "
         f"{b['optim']}, attention {b['attn_implementation']}, {b['wrapper']}, in its own venv ({ctx.trl_venv_shown}). "
-        f"{steps} "
-        f"steps, the first {warmup} left out; time from rank 0 at the end of each step. Peak memory: peak RSS of "
-        "the process, max over ranks.")
+        f"{steps} steps, the first {warmup} left out; time from rank 0 at the end of each step. Peak memory: peak "
+        "RSS of the process, max over ranks.")
     return {"title": "Image chat SFT vs TRL SFTTrainer (tiny Qwen2.5-VL, vocabulary 151,936)", "table": text,
             "ratios": [ratio("vlm: recipe / TRL SFTTrainer trained tokens/s", median(t.ratios), 2.0),
                        ratio("vlm: best window, recipe / TRL", median(t.best), 2.0),
