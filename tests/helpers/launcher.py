@@ -47,7 +47,7 @@ def _fork_server(preload: tuple[str, ...]) -> forkserver.Server | None:
     its imports read at start-up would be stale); None if it cannot start (launches then start fresh processes:
     slower, not wrong)."""
     global _no_server
-    server = _servers.get(preload)
+    server = _servers.pop(preload, None)
     if server is not None and not server.imported_under(env()):
         server.stop()
         server = None
@@ -58,9 +58,7 @@ def _fork_server(preload: tuple[str, ...]) -> forkserver.Server | None:
             _no_server = True
             print(f"warning: tests/helpers/forkserver.py did not start ({e}); launches start fresh processes",
                   file=sys.stderr)
-    if server is None:
-        _servers.pop(preload, None)
-    else:
+    if server is not None:
         _servers[preload] = server
     return server
 
