@@ -56,11 +56,19 @@ def serve(path: str, preload: list[str]) -> None:
             if os.getppid() != client:  # the test process is gone (killed: its atexit never ran)
                 return
             continue
-        conn.settimeout(None)
-        raw, fds, _, _ = socket.recv_fds(conn, 1 << 20, 2)
-        if os.fork() == 0:
-            listener.close()
-            monitor(conn, json.loads(raw), fds)
+        fds = []
+        try:  # a bad request fails alone: its connection closes before a pid is sent (Forked raises)
+            conn.settimeout(None)
+            raw, fds, _, _ = socket.recv_fds(conn, 1 << 20, 2)
+            while chunk := conn.recv(1 << 20):  # the client half-closes after the request: read up to there
+                raw += chunk
+            request = json.loads(raw)
+            if os.fork() == 0:
+                listener.close()
+                monitor(conn, request, fds)
+        except Exception:  # noqa: BLE001 (the server outlives a bad request; its log says why)
+            traceback.print_exc()
+            sys.stderr.flush()
         conn.close()
         for fd in fds:  # the child's copies only: a pipe reaches EOF when the child and its own children close it
             os.close(fd)
@@ -183,6 +191,17 @@ class Server:
                 raise RuntimeError(f"the fork server did not start (its log: {self.path}.log)")
             time.sleep(0.05)
 
+    def died(self) -> str | None:
+        """None while the server runs; else how it ended, with the end of its log."""
+        if self.proc.poll() is None:
+            return None
+        try:
+            with open(self.path + ".log") as log:
+                tail = log.read()[-2000:]
+        except OSError:
+            tail = ""
+        return f"exit status {self.proc.returncode}; the end of its log:\n{tail}"
+
     def stop(self) -> None:
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -205,6 +224,7 @@ class Server:
         request = {"argv": argv, "cwd": self.cwd, "env": environ, "nproc": nproc,
                    "port": free_port() if nproc > 1 else None}
         socket.send_fds(conn, [json.dumps(request).encode()], [out_w, err_w])
+        conn.shutdown(socket.SHUT_WR)  # the request's end: a stream socket may deliver it in several reads
         os.close(out_w)
         os.close(err_w)
         return Forked([sys.executable, *argv], conn, open(out_r), open(err_r))
@@ -217,7 +237,10 @@ class Forked:
     def __init__(self, args: list[str], conn: socket.socket, stdout, stderr):
         self.args, self.stdout, self.stderr, self.returncode = args, stdout, stderr, None
         self._conn, self._buffer, self._readers, self._output = conn, b"", None, None
-        self.pid = int(self._line(None))
+        pid = self._line(None)
+        if pid == str(-signal.SIGKILL):
+            raise RuntimeError("the fork server refused the request (its log says why)")
+        self.pid = int(pid)
 
     def _line(self, timeout: float | None) -> str | None:
         """The server's next line (the pid, then the exit status), None if none came within timeout."""

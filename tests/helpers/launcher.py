@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 from helpers import forkserver
@@ -48,9 +49,12 @@ def _fork_server(preload: tuple[str, ...]) -> forkserver.Server | None:
     slower, not wrong)."""
     global _no_server
     server = _servers.pop(preload, None)
-    if server is not None and not server.imported_under(env()):
-        server.stop()
-        server = None
+    if server is not None:
+        if (death := server.died()) is not None:  # a warning: it reaches pytest's summary, whatever passes
+            warnings.warn(f"tests/helpers/forkserver.py's server ended ({death}); starting another", stacklevel=3)
+        if death is not None or not server.imported_under(env()):
+            server.stop()
+            server = None
     if server is None and not _no_server:
         try:
             server = forkserver.Server(str(REPO), env(), preload)

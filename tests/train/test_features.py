@@ -5,7 +5,11 @@ and take no more host RAM per rank than the rank's shards plus one unit in fligh
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import socket
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
@@ -66,6 +70,27 @@ def test_a_run_forked_by_the_tests_fork_server_is_a_fresh_process(tmp_path, refe
         a, b = launcher.finish(started, 240), launcher.finish(forked, 240)
         assert (b.returncode, b.stdout, b.stderr) == (a.returncode, a.stdout, a.stderr)
         assert a.returncode == code, a.stderr
+
+
+@pytest.mark.slow
+def test_the_fork_server_outlives_a_bad_request_and_a_dead_one_is_replaced_with_a_warning(tmp_path):
+    """A request the server cannot read fails alone (the server logs it and serves the next); a server that died
+    (here: killed) is replaced at the next launch, with a warning that says how it ended (pytest's summary
+    shows it even when every test passes)."""
+    argv = ["-m", "llmtrain.convert", str(tmp_path / "missing"), str(tmp_path / "out")]  # exits 2, quickly
+    assert launcher.finish(launcher.spawn(argv), 240).returncode == 2
+    server = launcher._servers[forkserver.PRELOAD]
+    with socket.socket(socket.AF_UNIX) as conn:
+        conn.connect(server.path)
+        conn.sendall(b"not a request")
+    assert launcher.finish(launcher.spawn(argv), 240).returncode == 2
+    assert server.died() is None and "JSONDecodeError" in Path(server.path + ".log").read_text()
+    os.kill(server.proc.pid, signal.SIGKILL)
+    server.proc.wait()
+    with pytest.warns(UserWarning, match=r"(?s)server ended \(exit status -9; the end of its log:\n.*JSONDecodeError"):
+        forked = launcher.spawn(argv)
+    assert isinstance(forked, forkserver.Forked) and launcher._servers[forkserver.PRELOAD] is not server
+    assert launcher.finish(forked, 240).returncode == 2
 
 
 @pytest.mark.slow
