@@ -103,8 +103,10 @@ def resolve(section: ParallelConfig, n_params: int, world_size: int, device: tor
 def apply_activation_checkpointing(model: nn.Module) -> None:
     # transformers checkpoints each decoder layer itself; module names (and checkpoints) stay unchanged. A
     # recompute runs under its forward's sequence split (llmtrain.models.ulysses).
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
-                                                                       "context_fn": ulysses.recompute_contexts})
+    # newer transformers 5.x call it activation_checkpointing_enable (the old name warns; its first argument,
+    # the checkpoint's keyword arguments, renamed alike); older 5.x has the old name only
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable({"use_reentrant": False, "context_fn": ulysses.recompute_contexts})
 
 
 def apply_compile(model: nn.Module) -> None:
