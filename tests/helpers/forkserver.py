@@ -56,6 +56,11 @@ def serve(path: str, preload: list[str]) -> None:
             if os.getppid() != client:  # the test process is gone (killed: its atexit never ran)
                 return
             continue
+        except OSError:  # e.g. a connection aborted before it was accepted: logged, and the server goes on
+            traceback.print_exc()
+            sys.stderr.flush()
+            time.sleep(0.1)
+            continue
         fds = []
         try:  # a bad request fails alone: its connection closes before a pid is sent (Forked raises)
             conn.settimeout(None)
