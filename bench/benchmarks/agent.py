@@ -41,9 +41,9 @@ def bench(ctx: Ctx) -> dict:
     """Trajectory tokens trained per second of recipes/grpo.py vs TRL's GRPOTrainer(environment_factory=), one warmed
     model directory, ddp, 2 ranks."""
     steps, warmup, window = (5, 2, 2) if ctx.quick else (12, 3, 3)
-    runs, cfg, steps, warmup = recipe_vs_trl(ctx, "agent", GRPO_RECIPE, SHAPE_AGENT, "trl_grpo_agent.py", steps,
-                                             warmup, window, warm=lambda random_dir: warm(ctx, random_dir))
-    c = yaml.safe_load(cfg.read_text())
+    versus = recipe_vs_trl(ctx, "agent", GRPO_RECIPE, SHAPE_AGENT, "trl_grpo_agent.py", steps, warmup, window,
+                           warm=lambda random_dir: warm(ctx, random_dir))
+    runs, c = versus.runs, yaml.safe_load(versus.config.read_text())
     g = c["grpo"]
     v = vs_trl_table(runs, "GRPOTrainer", "trajectory tokens trained", window)
     a, b = runs[-1]

@@ -14,10 +14,9 @@ from common import REPO, median
 
 def bench(ctx: Ctx) -> dict:
     """Useful (response) tokens/s of recipes/dpo.py vs TRL's DPOTrainer from one model directory, ddp, 2 ranks."""
-    window = 2 if ctx.quick else 5
-    runs, cfg, steps, warmup = recipe_vs_trl(ctx, "dpo", DPO_RECIPE, SHAPE_DPO, "trl_dpo.py",
-                                             *((6, 2) if ctx.quick else (20, 5)), window)
-    c = yaml.safe_load(cfg.read_text())
+    steps, warmup, window = (6, 2, 2) if ctx.quick else (20, 5, 5)
+    versus = recipe_vs_trl(ctx, "dpo", DPO_RECIPE, SHAPE_DPO, "trl_dpo.py", steps, warmup, window)
+    runs, c = versus.runs, yaml.safe_load(versus.config.read_text())
     v = vs_trl_table(runs, "DPOTrainer", "response tokens", window)
     a, b = runs[-1]
     text = v.table + (

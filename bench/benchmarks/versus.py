@@ -115,15 +115,21 @@ SHAPE_GRPO = BENCH / "configs" / "llama-32k-grpo.yaml"
 GRPO_RECIPE = REPO / "recipes" / "grpo.py"
 
 
+@dataclass
+class Versus:
+    """recipe_vs_trl's runs: --pairs alternating (recipe, TRL) pairs of results, and the config both read."""
+    runs: list[tuple[dict, dict]]
+    config: Path
+
+
 def recipe_vs_trl(ctx: Ctx, name: str, recipe: Path, shape: Path, driver: str, steps: int, warmup: int,
                   window: int, changes: dict | None = None,
                   warm: Callable[[Path], Path] | None = None,
-                  in_trl_venv: bool = False) -> tuple[list[tuple], Path, int, int]:
+                  in_trl_venv: bool = False) -> Versus:
     """`recipe` and TRL (bench/baselines/<driver>, TRL's venv) from one random model directory of llama-32k's shape
-    (or the directory `warm` makes of it, e.g. a short SFT), ddp, 2 ranks, --pairs alternating pairs: [(recipe, TRL)]
-    with each side's rate, per-step counts, peak memory and fastest `window`-step rate after `warmup` steps; and the
-    config both read (`shape` with `changes`, e.g. {"grpo": {"max_completion_length": 256}}, applied); in_trl_venv:
-    the recipe runs in TRL's venv too."""
+    (or the directory `warm` makes of it, e.g. a short SFT), ddp, 2 ranks: each side's rate, per-step counts, peak
+    memory and fastest `window`-step rate after `warmup` steps, from the config both read (`shape` with `changes`,
+    e.g. {"grpo": {"max_completion_length": 256}}, applied); in_trl_venv: the recipe runs in TRL's venv too."""
     pairs = 1 if ctx.quick else ctx.pairs
     work = ctx.dir(name)
     bindir = trl_python(ctx)
@@ -158,7 +164,7 @@ def recipe_vs_trl(ctx: Ctx, name: str, recipe: Path, shape: Path, driver: str, s
         info["best"] = best_window_rate(info["step_end_s"], info["step_trained_tokens"], warmup, window)
         return info
 
-    return alternating_pairs(pairs, run_recipe, run_trl), cfg, steps, warmup
+    return Versus(alternating_pairs(pairs, run_recipe, run_trl), cfg)
 
 
 @dataclass
@@ -212,10 +218,9 @@ class Counted:
 def counted_vs_trl(ctx: Ctx, c: Counted) -> dict:
     """`unit`/s of c.recipe vs TRL's c.trainer from one model directory, ddp, 2 ranks (recipe_vs_trl), with peak
     memory per rank: the table, the ratios (>= c.target, memory <= 1x) and the raw numbers."""
-    runs, cfg, steps, warmup = recipe_vs_trl(ctx, c.name, c.recipe, c.shape, c.driver,
-                                             *((6, 2) if ctx.quick else (20, 5)), 2 if ctx.quick else 5,
-                                             in_trl_venv=c.in_trl_venv)
-    conf = yaml.safe_load(cfg.read_text())
+    steps, warmup, window = (6, 2, 2) if ctx.quick else (20, 5, 5)
+    versus = recipe_vs_trl(ctx, c.name, c.recipe, c.shape, c.driver, steps, warmup, window, in_trl_venv=c.in_trl_venv)
+    runs, conf = versus.runs, yaml.safe_load(versus.config.read_text())
     per_step = conf["train"]["micro_batch_size"] * conf["train"]["grad_accum_steps"] * 2  # 2 ranks
     work = ctx.dir(c.name)
     ours = [per_sec([r["elapsed_s"] for r in train_records(Path(work / f"recipe_{i}"))], per_step, warmup)

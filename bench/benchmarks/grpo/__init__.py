@@ -30,9 +30,9 @@ def bench(ctx: Ctx) -> dict:
 
 def versus_trl(ctx: Ctx, length: int, steps: int, warmup: int, window: int) -> tuple[str, list[dict], dict]:
     """One length's table, ratios and raw results."""
-    runs, cfg, steps, warmup = recipe_vs_trl(ctx, f"grpo_{length}", GRPO_RECIPE, SHAPE_GRPO, "trl_grpo.py", steps,
-                                             warmup, window, {"grpo": {"max_completion_length": length}})
-    c = yaml.safe_load(cfg.read_text())
+    versus = recipe_vs_trl(ctx, f"grpo_{length}", GRPO_RECIPE, SHAPE_GRPO, "trl_grpo.py", steps, warmup, window,
+                           {"grpo": {"max_completion_length": length}})
+    runs, c = versus.runs, yaml.safe_load(versus.config.read_text())
     g = c["grpo"]
     v = vs_trl_table(runs, "GRPOTrainer", "completion tokens trained", window)
     a, b = runs[-1]
