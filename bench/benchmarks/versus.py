@@ -43,15 +43,15 @@ def vs_hf(ctx: Ctx, kind: str) -> dict:
              "trl": ("TRL SFTTrainer", BASELINES / "trl_sft.py", trl_python(ctx) if kind == "trl" else None)}
     name, script, bindir = other[kind]
 
-    def run_recipe(i: int) -> tuple[float, float, float, float]:
+    def run_recipe(i: int) -> dict:
         out = work / f"recipe_{i}"
         torchrun([RECIPE, "--config", cfg, f"output_dir={out}", f"train.max_steps={steps}", "log.every_steps=1",
                   "log.progress=false", "checkpoint.resume=never"], timeout=TIMEOUT, log=work / f"recipe_{i}.log")
         records = train_records(out)
         rate, tokens, _ = useful_tokens_per_sec(records, warmup)
-        return rate, tokens, best_window_rate([r["elapsed_s"] for r in records],
-                                              [r["trained_tokens"] for r in records], warmup, window), \
-            max(r["mem_gb"] for r in records)
+        return {"rate": rate, "tokens": tokens, "mem": max(r["mem_gb"] for r in records),
+                "best": best_window_rate([r["elapsed_s"] for r in records], [r["trained_tokens"] for r in records],
+                                         warmup, window)}
 
     def run_hf(i: int) -> dict:
         res = work / f"hf_{i}.json"
@@ -64,16 +64,14 @@ def vs_hf(ctx: Ctx, kind: str) -> dict:
             run([bindir / "torchrun", "--standalone", "--nproc_per_node=2", *args], TIMEOUT, env, work / f"hf_{i}.log")
         return json.loads(res.read_text())
 
-    ours, hf, ratios_, our_tok, hf_tok, best, our_mem, hf_mem = [], [], [], [], [], [], [], []
-    for (rate, tokens, a_best, mem), hf_info in alternating_pairs(pairs, run_recipe, run_hf):
-        ours.append(rate)
-        hf.append(hf_info["useful_tokens_per_sec"])
-        our_tok.append(tokens / (steps - warmup))
-        hf_tok.append(hf_info["trained_tokens"] / (steps - warmup))
-        ratios_.append(rate / hf_info["useful_tokens_per_sec"])
-        best.append(a_best / best_window_rate(hf_info["step_end_s"], hf_info["step_trained_tokens"], warmup, window))
-        our_mem.append(mem)
-        hf_mem.append(hf_info["peak_rss_bytes"] / 2**30)
+    runs = alternating_pairs(pairs, run_recipe, run_hf)
+    ours, hf = [a["rate"] for a, _ in runs], [b["useful_tokens_per_sec"] for _, b in runs]
+    ratios_ = [a / b for a, b in zip(ours, hf)]
+    our_tok = [a["tokens"] / (steps - warmup) for a, _ in runs]
+    hf_tok = [b["trained_tokens"] / (steps - warmup) for _, b in runs]
+    best = [a["best"] / best_window_rate(b["step_end_s"], b["step_trained_tokens"], warmup, window) for a, b in runs]
+    our_mem, hf_mem = [a["mem"] for a, _ in runs], [b["peak_rss_bytes"] / 2**30 for _, b in runs]
+    hf_info = runs[-1][1]
     rows = [[f"pair {i + 1} ({pair_order(i)})", f"{a:,.0f}", f"{b:,.0f}", f"{a / b:.2f}", f"{r:.2f}",
              f"{m:.2f} / {n:.2f}"] for i, (a, b, r, m, n) in enumerate(zip(ours, hf, best, our_mem, hf_mem))]
     rows.append(["**median**", f"{median(ours):,.0f}", f"{median(hf):,.0f}", f"**{median(ratios_):.2f}**",
