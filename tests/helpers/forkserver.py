@@ -45,8 +45,11 @@ def serve(path: str, preload: list[str]) -> None:
         importlib.import_module(name)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # monitors are reaped by the kernel
     listener = socket.socket(socket.AF_UNIX)
-    listener.bind(path)
+    listener.bind(path + ".bound")
     listener.listen(16)
+    # the client takes the path's existence for "ready": it appears listening (between bind and listen, a
+    # connect is refused: a fresh server lost a launch that way)
+    os.rename(path + ".bound", path)
     listener.settimeout(5)
     client = os.getppid()
     while True:

@@ -73,6 +73,25 @@ def test_a_run_forked_by_the_tests_fork_server_is_a_fresh_process(tmp_path, refe
 
 
 @pytest.mark.slow
+def test_a_fork_servers_socket_appears_only_once_it_listens(tmp_path):
+    """The client takes the socket path's existence for "ready": here the server's listen() comes a second after
+    its bind (a sitecustomize slows it), and the first launch, sent as soon as the path exists, still connects
+    (it was refused when the path appeared at bind)."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import socket, time\n"
+        "listen = socket.socket.listen\n"
+        "socket.socket.listen = lambda self, *a: (time.sleep(1), listen(self, *a))[1]\n")
+    (tmp_path / "hello.py").write_text("print('hello')\n")
+    environ = {**launcher.env(), "PYTHONPATH": str(tmp_path)}
+    server = forkserver.Server(str(REPO), environ, preload=())
+    try:
+        forked = server.start([str(tmp_path / "hello.py")], environ)
+        assert forked.communicate(timeout=60) == ("hello\n", "") and forked.returncode == 0
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
 def test_the_fork_server_outlives_a_bad_request_and_a_dead_one_is_replaced_with_a_warning(tmp_path):
     """A request the server cannot read fails alone (the server logs it and serves the next); a server that died
     (here: killed) is replaced at the next launch, with a warning that says how it ended (pytest's summary
