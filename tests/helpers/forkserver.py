@@ -59,11 +59,6 @@ def serve(path: str, preload: list[str]) -> None:
             if os.getppid() != client:  # the test process is gone (killed: its atexit never ran)
                 return
             continue
-        except OSError:  # e.g. a connection aborted before it was accepted: logged, and the server goes on
-            traceback.print_exc()
-            sys.stderr.flush()
-            time.sleep(0.1)
-            continue
         fds = []
         try:  # a bad request fails alone: its connection closes before a pid is sent (Forked raises)
             conn.settimeout(None)
@@ -72,8 +67,13 @@ def serve(path: str, preload: list[str]) -> None:
                 raw += chunk
             request = json.loads(raw)
             if os.fork() == 0:
-                listener.close()
-                monitor(conn, request, fds)
+                try:  # the child never returns into this loop, whatever monitor raises (into the log)
+                    listener.close()
+                    monitor(conn, request, fds)
+                except BaseException:  # noqa: BLE001
+                    traceback.print_exc()
+                finally:
+                    os._exit(1)
         except Exception:  # noqa: BLE001 (the server outlives a bad request; its log says why)
             traceback.print_exc()
             sys.stderr.flush()
@@ -171,6 +171,12 @@ def run(request: dict, fds: list[int], rank: int | None) -> None:
         os._exit(code)
 
 
+def _exit_status(line: str) -> int:
+    """A run's exit status from the server's line; none (the connection closed): the monitor was killed with its
+    ranks' group (a timeout), as SIGKILL."""
+    return int(line) if line else -signal.SIGKILL
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -246,12 +252,13 @@ class Forked:
         self.args, self.stdout, self.stderr, self.returncode = args, stdout, stderr, None
         self._conn, self._buffer, self._readers, self._output = conn, b"", None, None
         pid = self._line(None)
-        if pid == str(-signal.SIGKILL):
+        if not pid:
             raise RuntimeError("the fork server refused the request (its log says why)")
         self.pid = int(pid)
 
     def _line(self, timeout: float | None) -> str | None:
-        """The server's next line (the pid, then the exit status), None if none came within timeout."""
+        """The server's next line (the pid, then the exit status), None if none came within timeout, "" if the
+        connection closed first."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while b"\n" not in self._buffer:
             self._conn.settimeout(None if deadline is None else max(deadline - time.monotonic(), 0))
@@ -259,15 +266,15 @@ class Forked:
                 chunk = self._conn.recv(64)
             except (TimeoutError, BlockingIOError):
                 return None
-            if not chunk:  # the monitor was killed with its ranks' group (a timeout)
-                return str(-signal.SIGKILL)
+            if not chunk:
+                return ""
             self._buffer += chunk
         line, self._buffer = self._buffer.split(b"\n", 1)
         return line.decode()
 
     def poll(self) -> int | None:
         if self.returncode is None and (line := self._line(0)) is not None:
-            self.returncode = int(line)
+            self.returncode = _exit_status(line)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -275,7 +282,7 @@ class Forked:
             line = self._line(timeout)
             if line is None:
                 raise subprocess.TimeoutExpired(self.args, timeout)
-            self.returncode = int(line)
+            self.returncode = _exit_status(line)
         return self.returncode
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
