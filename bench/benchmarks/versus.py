@@ -57,11 +57,8 @@ def vs_hf(ctx: Ctx, kind: str) -> dict:
         res = work / f"hf_{i}.json"
         args = [script, "--config", cfg, "--steps", steps, "--warmup", warmup, "--output-dir", work / f"hf_{i}",
                 "--out", res]
-        env = {"HF_DATASETS_CACHE": str(work / "hf_cache")}
-        if bindir is None:
-            torchrun(args, timeout=TIMEOUT, log=work / f"hf_{i}.log", env=env)
-        else:
-            run([bindir / "torchrun", "--standalone", "--nproc_per_node=2", *args], TIMEOUT, env, work / f"hf_{i}.log")
+        torchrun(args, timeout=TIMEOUT, log=work / f"hf_{i}.log", env={"HF_DATASETS_CACHE": str(work / "hf_cache")},
+                 bindir=bindir)
         return json.loads(res.read_text())
 
     runs = alternating_pairs(pairs, run_recipe, run_hf)
@@ -154,15 +151,22 @@ def recipe_vs_trl(ctx: Ctx, name: str, recipe: Path, shape: Path, driver: str, s
                 "best": best_window_rate([r["elapsed_s"] for r in records], tokens, warmup, window)}
 
     def run_trl(i: int) -> dict:
-        res = work / f"trl_{i}.json"
-        run([bindir / "torchrun", "--standalone", "--nproc_per_node=2", BASELINES / driver, "--config", cfg,
-             "--data", data, "--steps", steps, "--warmup", warmup, "--output-dir", work / f"trl_{i}",
-             "--out", res], TIMEOUT, {"HF_DATASETS_CACHE": str(work / "hf_cache")}, work / f"trl_{i}.log")
-        info = json.loads(res.read_text())
-        info["best"] = best_window_rate(info["step_end_s"], info["step_trained_tokens"], warmup, window)
-        return info
+        return run_driver(bindir, driver, cfg, data, steps, warmup, window, work / f"trl_{i}")
 
     return Versus(alternating_pairs(pairs, run_recipe, run_trl), cfg)
+
+
+def run_driver(bindir: Path, driver: str, cfg: Path, data: Path | str, steps: int, warmup: int, window: int,
+               out: Path) -> dict:
+    """bench/baselines/<driver> on 2 ranks from `bindir` (TRL's venv), writing into `out` (its .json, .log next to
+    it): the results it reports, with its fastest `window`-step rate after `warmup` steps as "best"."""
+    res = out.with_suffix(".json")
+    torchrun([BASELINES / driver, "--config", cfg, "--data", data, "--steps", steps, "--warmup", warmup,
+              "--output-dir", out, "--out", res], timeout=TIMEOUT, log=out.with_suffix(".log"),
+             env={"HF_DATASETS_CACHE": str(out.parent / "hf_cache")}, bindir=bindir)
+    info = json.loads(res.read_text())
+    info["best"] = best_window_rate(info["step_end_s"], info["step_trained_tokens"], warmup, window)
+    return info
 
 
 @dataclass

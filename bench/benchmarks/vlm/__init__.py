@@ -6,14 +6,13 @@ frozen on both sides: trained tokens per second and peak memory per rank. Target
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import yaml
 
-from benchmarks.base import BASELINES, Ctx, TIMEOUT, ratio
-from benchmarks.versus import trl_python, vs_trl_table
+from benchmarks.base import Ctx, TIMEOUT, ratio
+from benchmarks.versus import run_driver, trl_python, vs_trl_table
 from common import RECIPE, alternating_pairs, best_window_rate, median, run, torchrun, train_records, \
     useful_tokens_per_sec
 
@@ -45,13 +44,7 @@ def bench(ctx: Ctx) -> dict:
                 "best": best_window_rate([r["elapsed_s"] for r in records], tokens, warmup, window)}
 
     def run_trl(i: int) -> dict:
-        res = work / f"trl_{i}.json"
-        run([bindir / "torchrun", "--standalone", "--nproc_per_node=2", BASELINES / "trl_sft_vlm.py", "--config", cfg,
-             "--data", data, "--steps", steps, "--warmup", warmup, "--output-dir", work / f"trl_{i}", "--out", res],
-            TIMEOUT, {"HF_DATASETS_CACHE": str(work / "hf_cache")}, work / f"trl_{i}.log")
-        info = json.loads(res.read_text())
-        info["best"] = best_window_rate(info["step_end_s"], info["step_trained_tokens"], warmup, window)
-        return info
+        return run_driver(bindir, "trl_sft_vlm.py", cfg, data, steps, warmup, window, work / f"trl_{i}")
 
     runs = alternating_pairs(1 if ctx.quick else ctx.pairs, run_recipe, run_trl)
     t = vs_trl_table(runs, "SFTTrainer", "trained tokens", window)
